@@ -1,0 +1,49 @@
+# datagen: `make demo` and `make test` work on a fresh clone with only python3 and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/datagen demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy datagen emulator tasks flows
+
+unit: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+test: lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/run.py --quick
+
+chaos: $(STAMP)
+	$(PY) bench/chaos.py --rounds 30
+
+chaos-quick: $(STAMP)
+	$(PY) bench/chaos.py --rounds 3
+
+up: $(STAMP)
+	$(VENV)/bin/datagen up
+
+down: $(STAMP)
+	$(VENV)/bin/datagen down
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

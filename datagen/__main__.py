@@ -1,0 +1,5 @@
+import sys
+
+from datagen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""The `datagen` command line: a thin dispatcher.
+
+Each subcommand lives in its own module (``datagen.cmd_<name>``) exposing ``main(argv) -> int``;
+it is imported only when called, so `datagen emulator` and `datagen gpu-sim` start fast.
+
+Exit codes (shared by every subcommand unless its module says otherwise):
+  0  success
+  1  the operation ran and its verdict is negative (GPUs not clean, validation failed, run failed)
+  2  usage, configuration or connection error
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("datagen.cmd_run", "run the pipeline now (partition config or ad-hoc --input)"),
+    "demo": ("datagen.cmd_demo", "run the whole pipeline on the bundled sample against the emulator"),
+    "clean-gpus": ("datagen.cmd_clean_gpus", "GPU hygiene alone: find, kill and verify GPU holders"),
+    "validate": ("datagen.cmd_validate", "validate an output directory"),
+    "status": ("datagen.cmd_status", "shards committed/total, rows, lock holder, learned memory fraction"),
+    "resplit": ("datagen.cmd_resplit", "re-derive reasoning/content from stored raw text"),
+    "export": ("datagen.cmd_export", "export an output as sharegpt / openai-messages JSONL"),
+    "emulator": ("emulator.cli", "the SGLang stand-in (takes sglang.launch_server flags + --emu-...)"),
+    "gpu-sim": ("emulator.gpusim_cli", "simulated GPUs: init, show, hold"),
+    "up": ("datagen.cmd_up", "start a local Prefect server, work pool, deployments and worker"),
+    "down": ("datagen.cmd_up", "stop what `datagen up` started (by pid file)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: datagen COMMAND [ARGS...]", "", "commands:"]
+    width = max(len(n) for n in COMMANDS)
+    for name, (_, help_text) in COMMANDS.items():
+        lines.append(f"  {name:<{width}}  {help_text}")
+    lines.append("")
+    lines.append("`datagen COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from datagen import __version__
+
+        print(f"datagen {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"datagen: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    if name in ("up", "down"):
+        return int(module.main([name, *rest]) or 0)
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

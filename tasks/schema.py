@@ -1,0 +1,36 @@
+"""The row schema of every committed shard (DESIGN.md "Output dataset").
+
+One definition shared by the writer (tasks.shards / tasks.inference), the validator (tasks.validation),
+resplit and export. Parquet files are written with zstd compression.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+ROW_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),  # stable prompt id (input `id` or derived)
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("messages", pa.list_(MESSAGE_TYPE), nullable=False),  # the input conversation
+        pa.field("prompt", pa.string(), nullable=False),  # exact text sent to /generate
+        pa.field("raw", pa.string(), nullable=False),  # exact text returned
+        pa.field("reasoning", pa.string(), nullable=True),  # None when no reasoning part
+        pa.field("content", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),  # stop | length | abort
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("completion_tokens", pa.int32(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("sampling", pa.string(), nullable=False),  # JSON of the sampling_params sent
+        pa.field("server", pa.string(), nullable=False),  # fingerprint of the server launch
+        pa.field("reasoning_parser", pa.string(), nullable=True),  # parser used for the split
+        pa.field("think_in_prompt", pa.bool_(), nullable=False),  # the prompt opened the think block
+        pa.field("generated_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("latency_s", pa.float64(), nullable=False),
+    ]
+)
+
+COLUMNS = tuple(ROW_SCHEMA.names)
+PARQUET_COMPRESSION = "zstd"
