@@ -1,0 +1,123 @@
+"""`datagen run`: run the datagen flow now, in this process.
+
+    datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--model-path DIR] [--out DIR]
+                [--backend sglang|emulator] [--server-url URL] [--shard-size N] [--concurrency N]
+                [--mem-fraction-static F] [--reasoning-parser NAME]
+
+Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else an
+ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and server settings;
+``--server-url`` uses a running server (no launch, no hygiene on it).
+
+Exit codes: 0 the run completed (validation passed); 1 the run failed (launch, inference or
+validation; the message says which); 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import httpx
+
+from tasks.config import BACKENDS, ConfigError, load_partition, project_root
+
+
+# Prefect reads its settings when imported: these run before any Prefect import. Without
+# PREFECT_API_URL the flow uses an ephemeral API on $PREFECT_HOME/prefect.db; PREFECT_HOME defaults
+# to <project>/.prefect (git-ignored) so a demo never writes to ~.
+def setup_prefect_env() -> None:
+    os.environ.setdefault("PREFECT_HOME", str(project_root() / ".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    if not os.environ.get("PREFECT_API_URL"):
+        # `datagen up` left a server running: use it, so the run shows in its UI.
+        api = _up_api_url()
+        if api:
+            os.environ["PREFECT_API_URL"] = api
+
+
+def _up_api_url() -> str | None:
+    run_dir = os.environ.get("DATAGEN_RUN_DIR") or str(project_root() / ".run")
+    try:
+        url = open(os.path.join(run_dir, "api_url")).read().strip()
+    except OSError:
+        return None
+    return url if api_healthy(url) else None
+
+
+def api_healthy(url: str | None) -> bool:
+    if not url:
+        return False
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def ui_url() -> str | None:
+    """The UI address when a real Prefect server (not the ephemeral API) is in use."""
+    url = os.environ.get("PREFECT_API_URL")
+    return url.rstrip("/").removesuffix("/api") if api_healthy(url) else None
+
+
+
+def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.")
+    p.add_argument("--partition", default="all", help="partition name in deployments/ or a .toml path (default: all)")
+    p.add_argument("--input", dest="inputs", action="append", metavar="PATH",
+                   help="ad-hoc dataset file (JSONL or Parquet); repeatable; replaces the partition's datasets")
+    p.add_argument("--model-path", help="model directory (on the target host)")
+    p.add_argument("--out", help="output directory (used as is: no nightly versioning)")
+    p.add_argument("--backend", choices=BACKENDS)
+    p.add_argument("--server-url", help="use this running server: no launch, no hygiene")
+    p.add_argument("--shard-size", type=int)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--mem-fraction-static", type=float, help="where the tuner starts")
+    p.add_argument("--reasoning-parser", help="SGLang reasoning parser name (default: the partition's / the model's)")
+    return p
+
+
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("inputs", "model_path", "out", "backend", "server_url", "shard_size", "concurrency",
+            "mem_fraction_static", "reasoning_parser")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
+    """Validate the config, run the flow; returns (exit code, flow result or error)."""
+    try:
+        cfg = load_partition(partition).with_overrides(**overrides)
+    except ConfigError as exc:
+        return 2, exc
+    setup_prefect_env()
+    from flows.datagen import datagen
+    from flows.gpulimit import ensure_limits, limit_name
+
+    if cfg.server_url is None:
+        ensure_limits([limit_name(t) for t in cfg.targets])
+    state = datagen(partition=partition, **overrides, return_state=True)
+    if state.is_completed():
+        return 0, state.result()
+    err = state.result(raise_on_failure=False)
+    if isinstance(err, ConfigError):
+        return 2, err
+    return 1, err if isinstance(err, BaseException) else state.message
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    code, result = run_flow(args.partition, overrides_of(args))
+    if code == 0:
+        print(f"completed: {result['rows']} rows in {result['out_dir']}")
+        print(result["validation"])
+        if result.get("latest"):
+            print(f"latest -> {result['out_dir']}")
+    else:
+        print(f"datagen run: {'configuration error' if code == 2 else 'run failed'}: {result}", file=sys.stderr)
+    return code

@@ -1,0 +1,97 @@
+"""`datagen status OUT_DIR`: how far an output is, who writes it, what memory fraction was learned.
+
+    datagen status OUT_DIR [--json]
+
+Prints shards committed/total and rows per dataset, open journals, the lock holder (host, pid,
+flow run) when a live process holds ``OUT/_lock``, the last validation verdict, and the
+``--mem-fraction-static`` values tasks.tuner remembers (with headroom and runtime OOMs).
+
+Exit codes: 0 printed; 2 OUT_DIR is not a datagen output (no manifest) or usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def status(out: Path) -> dict[str, Any]:
+    """The status document of an output directory. Raises FileNotFoundError without a manifest."""
+    from tasks.shards import OutputDir
+
+    od = OutputDir(out)
+    manifest = od.read_manifest()
+    if manifest is None:
+        raise FileNotFoundError(f"{out}: no _manifest.json (not a datagen output, or nothing committed yet)")
+    datasets: dict[str, Any] = {}
+    for name, ds in sorted(manifest.get("datasets", {}).items()):
+        shards = ds.get("shards", {}) or {}
+        datasets[name] = {
+            "shards_committed": len(shards),
+            "shards_total": ds.get("num_shards"),
+            "rows": sum(int(s.get("rows", 0)) for s in shards.values()),
+            "rejects": sum(int(s.get("rejects", 0)) for s in shards.values()),
+            "total_rows": ds.get("total_rows"),
+            "open_journals": od.open_journals(name),
+        }
+    validation = None
+    vpath = out / "_validation.json"
+    if vpath.exists():
+        try:
+            validation = json.loads(vpath.read_text()).get("verdict")
+        except ValueError:
+            validation = "unreadable"
+    try:
+        from tasks.tuner import list_remembered
+
+        fractions = list_remembered()
+    except Exception as exc:  # the memory store is advisory here
+        fractions = [{"error": str(exc)}]
+    return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
+            "lock_holder": od.lock_holder(), "validation": validation, "learned_fractions": fractions}
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = [f"output {doc['out_dir']} (shard size {doc['shard_size']})"]
+    for name, d in doc["datasets"].items():
+        total = d["shards_total"] if d["shards_total"] is not None else "?"
+        journals = f", open journals {d['open_journals']}" if d["open_journals"] else ""
+        lines.append(f"  {name}: {d['shards_committed']}/{total} shards, {d['rows']} rows, "
+                     f"{d['rejects']} rejects{journals}")
+    holder = doc["lock_holder"]
+    if holder:
+        lines.append("lock: held by " + ", ".join(f"{k}={v}" for k, v in holder.items() if v is not None))
+    else:
+        lines.append("lock: free")
+    lines.append(f"validation: {doc['validation'] or 'not run'}")
+    fr = doc["learned_fractions"]
+    if not fr:
+        lines.append("learned memory fraction: none yet")
+    for e in fr:
+        if "error" in e:
+            lines.append(f"learned memory fraction: unavailable ({e['error']})")
+            continue
+        oom = f", runtime OOM at {e['runtime_oom_at']}" if e.get("runtime_oom_at") is not None else ""
+        lines.append(f"learned memory fraction: {e.get('fraction')} (headroom {e.get('headroom_gib')} GiB{oom}) "
+                     f"for {e.get('key')} [{e.get('store')}]")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.")
+    p.add_argument("out_dir")
+    p.add_argument("--json", action="store_true")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    try:
+        doc = status(Path(args.out_dir))
+    except FileNotFoundError as exc:
+        print(f"datagen status: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=1, default=str) if args.json else render(doc))
+    return 0

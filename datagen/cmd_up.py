@@ -1,0 +1,279 @@
+"""`datagen up` / `datagen down`: a local Prefect control plane for datagen (`make up`, `make down`).
+
+`up` starts, in this order, only what is not already running:
+  1. a Prefect server on 127.0.0.1 (SQLite at ``$PREFECT_HOME/prefect.db``; PREFECT_HOME defaults to
+     ``<project>/.prefect``; analytics off), unless ``--api-url`` names one that is already up;
+  2. the process work pool ``gpu`` and one global concurrency limit ``gpu:<host>`` (limit 1) per GPU
+     target of every partition, so two partitions never launch servers on one host;
+  3. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``);
+  4. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
+and prints the UI URL. Pids go to ``<project>/.run/*.pid`` (with process start times, so a recycled
+pid is never signalled); `down` stops exactly those processes and nothing else.
+
+Exit codes: 0 done; 1 a step failed (the message says which, with the log's last lines);
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tasks.config import ConfigError, list_partitions, load_partition, project_root
+
+POOL = "gpu"
+DEFAULT_PORT = 4200
+
+
+class UpError(RuntimeError):
+    """A step of `datagen up` failed; the message names the step and carries the log tail."""
+
+
+def _run_dir(arg: str | None) -> Path:
+    return Path(arg or os.environ.get("DATAGEN_RUN_DIR") or project_root() / ".run").resolve()
+
+
+def _bin(name: str) -> str:
+    # The venv's own console scripts, so `make up` works without an activated venv.
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# ------------------------------------------------------------------------------ pid files
+
+
+def _write_pid(run_dir: Path, name: str, pid: int) -> None:
+    info = {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+    tmp = run_dir / f".{name}.pid.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, run_dir / f"{name}.pid")
+
+
+def _read_pid(run_dir: Path, name: str) -> psutil.Process | None:
+    """The process named by ``<name>.pid`` if it still is that process (pid and start time)."""
+    path = run_dir / f"{name}.pid"
+    try:
+        info = json.loads(path.read_text())
+        proc = psutil.Process(int(info["pid"]))
+        if abs(proc.create_time() - float(info["create_time"])) > 0.05:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+
+
+def _start(argv: list[str], log: Path, env: dict[str, str], cwd: Path) -> int:
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd, start_new_session=True,  # its own group: `down` stops its children too
+        )
+    return proc.pid
+
+
+def _stop(proc: psutil.Process, first: signal.Signals, grace_s: float) -> str:
+    """Signal the process group led by ``proc`` (``first``, then SIGKILL after ``grace_s``)."""
+    try:
+        members = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return "already gone"
+    for p in members:
+        try:
+            p.send_signal(first)
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(members, timeout=grace_s)
+    alive = [p for p in alive if _alive(p)]
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return f"stopped with {first.name}" if not alive else "killed with SIGKILL"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ------------------------------------------------------------------------------------ up
+
+
+def _wait_healthy(api_url: str, proc_pid: int | None, log: Path | None, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc_pid is not None and not psutil.pid_exists(proc_pid):
+            raise UpError(f"prefect server exited during startup:\n{_tail(log) if log else ''}")
+        try:
+            if httpx.get(f"{api_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise UpError(f"prefect server not healthy after {deadline_s:.0f} s:\n{_tail(log) if log else ''}")
+
+
+def gpu_limit_names() -> list[str]:
+    """``gpu:<host>`` for every target of every partition config."""
+    from flows.gpulimit import limit_name
+
+    names: set[str] = set()
+    for part in list_partitions():
+        try:
+            cfg = load_partition(part)
+        except ConfigError:
+            continue  # `datagen run` reports it; `up` should still come up
+        names.update(limit_name(t) for t in cfg.targets)
+    return sorted(names)
+
+
+def _setup_api_objects(api_url: str) -> list[str]:
+    os.environ["PREFECT_API_URL"] = api_url
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.gpulimit import ensure_limits
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        _ensure_pool()
+        names = gpu_limit_names()
+        ensure_limits(names)
+    return names
+
+
+def _ensure_pool() -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
+        except ObjectAlreadyExists:
+            pass
+
+
+def up(args: argparse.Namespace) -> int:
+    root = project_root()
+    run_dir = _run_dir(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(os.environ.get("PREFECT_HOME") or root / ".prefect").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        DATAGEN_HOME=str(root),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    if args.api_url:
+        api_url = args.api_url.rstrip("/")
+        _wait_healthy(api_url, None, None, 10.0)
+        print(f"using the Prefect server at {api_url}")
+    else:
+        api_url = f"http://127.0.0.1:{args.port}/api"
+        server = _read_pid(run_dir, "server")
+        if server is None:
+            log = run_dir / "server.log"
+            pid = _start(
+                [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)],
+                log, env, root,
+            )
+            _write_pid(run_dir, "server", pid)
+            print(f"prefect server: pid {pid}, PREFECT_HOME={home}, log {log}")
+            _wait_healthy(api_url, pid, log, 90.0)
+        else:
+            print(f"prefect server: already running (pid {server.pid})")
+    env["PREFECT_API_URL"] = api_url
+    (run_dir / "api_url").write_text(api_url + "\n")
+
+    names = _setup_api_objects(api_url)
+    print(f"work pool {POOL!r} (process); global concurrency limits: {', '.join(names) or 'none'}")
+
+    deploy_log = run_dir / "deploy.log"
+    with open(deploy_log, "wb") as fh:
+        rc = subprocess.run(
+            [_bin("prefect"), "--no-prompt", "deploy", "--all"],
+            cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=300,
+        ).returncode
+    if rc != 0:
+        raise UpError(f"`prefect --no-prompt deploy --all` exited {rc}:\n{_tail(deploy_log)}")
+    print("deployed: " + ", ".join(f"datagen/{p}" for p in list_partitions()))
+
+    if not args.no_worker:
+        worker = _read_pid(run_dir, "worker")
+        if worker is None:
+            log = run_dir / "worker.log"
+            pid = _start(
+                [_bin("prefect"), "worker", "start", "--pool", POOL, "--name", f"datagen-{os.uname().nodename}"],
+                log, env, root,
+            )
+            _write_pid(run_dir, "worker", pid)
+            print(f"worker: pid {pid} on pool {POOL!r}, log {log}")
+        else:
+            print(f"worker: already running (pid {worker.pid})")
+    ui = api_url.removesuffix("/api")
+    print(f"Prefect UI: {ui}")
+    print("run a partition: prefect deployment run datagen/demo --watch   (stop all: make down)")
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    run_dir = _run_dir(args.run_dir)
+    stopped = 0
+    # The worker first (SIGINT: it ignores SIGTERM), then the server it talks to.
+    for name, sig in (("worker", signal.SIGINT), ("server", signal.SIGTERM)):
+        proc = _read_pid(run_dir, name)
+        if proc is None:
+            print(f"{name}: not running")
+        else:
+            print(f"{name}: pid {proc.pid} {_stop(proc, sig, 15.0)}")
+            stopped += 1
+        (run_dir / f"{name}.pid").unlink(missing_ok=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("up", "down"):
+        print("usage: datagen up|down [options]", file=sys.stderr)
+        return 2
+    cmd, rest = argv[0], argv[1:]
+    parser = argparse.ArgumentParser(prog=f"datagen {cmd}")
+    parser.add_argument("--run-dir", help="where pid files and logs go (default <project>/.run)")
+    if cmd == "up":
+        parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
+        parser.add_argument("--api-url", help="use this running Prefect server instead of starting one")
+        parser.add_argument("--no-worker", action="store_true", help="do not start a worker")
+    try:
+        args = parser.parse_args(rest)
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    if cmd == "down":
+        return down(args)
+    try:
+        return up(args)
+    except (UpError, subprocess.TimeoutExpired) as exc:
+        print(f"datagen up: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,53 @@
+"""`datagen validate OUT_DIR [--json] [--threshold KEY=VALUE ...]`: validate a whole output directory.
+
+Runs every check of tasks.validation over every committed shard and each dataset as a whole, writes
+``OUT_DIR/_validation.json`` and prints a summary (or, with ``--json``, the report itself).
+
+Exit codes:
+  0  every check passed or only warned
+  1  a check failed
+  2  bad input: OUT_DIR missing or not a datagen output, or a bad threshold
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tasks.validation import BadOutput, ThresholdError, Thresholds, validate_output
+
+
+def _parse_threshold(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ThresholdError(f"--threshold expects KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError as exc:
+        raise ThresholdError(f"--threshold {key}: {value!r} is not a number or true/false") from exc
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="datagen validate", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a threshold, e.g. truncation_max_rate=0.2 (repeatable)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    try:
+        thresholds = Thresholds.from_dict(dict(_parse_threshold(t) for t in args.threshold))
+        report = validate_output(args.out_dir, thresholds)
+    except (BadOutput, ThresholdError) as exc:
+        print(f"datagen validate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report.to_dict(), sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(report.summary())
+    return 1 if report.verdict == "fail" else 0

@@ -1,0 +1,345 @@
+"""``datagen emulator`` / ``python -m emulator``: the SGLang stand-in's main process.
+
+Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (see emulator/README.md).
+
+Exit status, as SGLang's: 2 for a usage error (argparse), 1 when the model dir is missing or the port
+is taken, and death by SIGKILL (-9, 137 from a shell) after a scheduler failure or SIGTERM, because the
+main process kills its process tree with itself last. It never exits 0 on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import psutil
+
+from emulator.logs import log, raw
+from emulator.procs import Child, RankSpec, start_detokenizer, start_scheduler
+from emulator.profile import ModelInfo, load_model
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launch_server flags datagen may pass, plus the emulator's own ``--emu-*`` flags."""
+    p = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=False)
+    a = p.add_argument
+    a("--model-path", "--model", dest="model_path", required=True)
+    a("--tokenizer-path", default=None)
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
+    a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    a("--base-gpu-id", type=int, default=0)
+    a("--trust-remote-code", action="store_true")
+    a("--served-model-name", default=None)
+    a("--context-length", type=int, default=None)
+    a("--mem-fraction-static", type=float, default=None)
+    a("--max-running-requests", type=int, default=None)
+    a("--max-queued-requests", type=int, default=None)
+    a("--max-total-tokens", type=int, default=None)
+    a("--max-prefill-tokens", type=int, default=16384)
+    a("--chunked-prefill-size", type=int, default=8192)
+    a("--cuda-graph-max-bs", type=int, default=None)
+    a("--disable-cuda-graph", action="store_true")
+    a("--enable-hierarchical-cache", action="store_true")
+    a("--hicache-ratio", type=float, default=2.0)
+    a("--hicache-size", type=int, default=0)
+    a("--hicache-write-policy", default="write_through_selective")
+    a("--reasoning-parser", default=None)
+    a("--tool-call-parser", default=None)
+    a("--log-level", default="info")
+    a("--log-level-http", default=None)
+    a("--api-key", default=None)
+    a("--enable-metrics", action="store_true")
+    a("--dtype", default="auto")
+    a("--kv-cache-dtype", default="auto")
+    a("--attention-backend", default=None)
+    a("--schedule-policy", default="fcfs")
+    a("--random-seed", type=int, default=None)
+    a("--watchdog-timeout", type=float, default=300)
+    a("--stream-interval", type=int, default=1)
+    a("--skip-server-warmup", action="store_true")
+    a("--speculative-algorithm", default=None)
+    a("--speculative-draft-model-path", default=None)
+    a("--speculative-num-steps", type=int, default=None)
+    a("--speculative-eagle-topk", type=int, default=None)
+    a("--speculative-num-draft-tokens", type=int, default=None)
+    e = p.add_argument_group("emulator (not SGLang flags)")
+    e.add_argument("--emu-profile", default="auto", choices=["auto", "demo", "generic"])
+    e.add_argument("--emu-load-time", type=float, default=1.0)
+    e.add_argument("--emu-graph-time", type=float, default=0.3)
+    e.add_argument("--emu-warmup-time", type=float, default=0.5)
+    e.add_argument("--emu-crash-after", type=int, default=None)
+    e.add_argument("--emu-hang-after", type=int, default=None)
+    e.add_argument("--emu-503-rate", type=float, default=0.0)
+    e.add_argument("--emu-ignore-sigterm", action="store_true")
+    e.add_argument("--emu-orphan-on-crash", action="store_true")
+    e.add_argument("--emu-prefill-us-per-token", type=float, default=5.0)
+    e.add_argument("--emu-decode-ms-per-step", type=float, default=2.0)
+    e.add_argument("--emu-output-tokens", type=int, default=96)
+    e.add_argument("--emu-seed", type=int, default=0)
+    e.add_argument("--emu-health-timeout", type=float, default=20.0)
+    e.add_argument("--emu-host-mem-gib", type=float, default=None)
+    e.add_argument("--emu-drain-timeout", type=float, default=30.0)
+    return p
+
+
+class Main:
+    """The main process: forks the children, serves HTTP, and kills its tree like SGLang."""
+
+    def __init__(self, args: argparse.Namespace, model: ModelInfo) -> None:
+        self.args = args
+        self.model = model
+        self.children: list[Child] = []
+        self.dying = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ dying like SGLang
+    def kill_tree(self) -> None:
+        """SIGKILL every descendant except an orphan-designated scheduler, then ourselves."""
+        self.dying = True
+        spared = {c.pid for c in self.children if c.orphan}
+        try:
+            procs = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            if p.pid in spared:
+                continue
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_sigquit(self, signum: int, frame: object) -> None:
+        log("Received sigquit from a child process. It usually means the child failed.")
+        self.kill_tree()
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        log(f"SIGTERM received. signum={signum} frame={frame!r}. Draining requests and shutting down...")
+        if self.loop is None or self.state is None:
+            self.kill_tree()
+            return
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))  # type: ignore[union-attr]
+
+    state = None  # ServerState once serving
+
+    async def _drain(self) -> None:
+        st = self.state
+        assert st is not None
+        st.phase = "shutting_down"
+        deadline = time.monotonic() + float(self.args.emu_drain_timeout)
+        eng = st.engine
+        while (eng.running or eng.waiting) and not eng.halted and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        log("Graceful shutdown completed. Killing the process tree.")
+        self.kill_tree()
+
+    def crash_scheduler(self, exc_line: str) -> None:
+        """Order rank 0 to raise ``exc_line``: it logs, SIGQUITs us, and we kill the tree."""
+        rank0 = next(c for c in self.children if c.rank == 0)
+        try:
+            os.write(rank0.to_child, ("crash\t" + exc_line.replace("\n", "\\n") + "\n").encode())
+        except OSError:
+            self.kill_tree()
+
+    # ------------------------------------------------------------------ startup
+    def gpu_for_rank(self, rank: int) -> int:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        idx = self.args.base_gpu_id + rank
+        if visible:
+            entries = [v.strip() for v in visible.split(",") if v.strip()]
+            if idx >= len(entries):
+                return 10_000 + idx  # no such device: the scheduler fails with "invalid device ordinal"
+            try:
+                return int(entries[idx])
+            except ValueError:
+                return 10_000 + idx
+        return idx
+
+    def start_children(self) -> list[dict[str, object]]:
+        a = self.args
+        for rank in range(a.tp_size):
+            spec = RankSpec(
+                rank=rank, gpu=self.gpu_for_rank(rank), tp=a.tp_size, fraction=a.mem_fraction_static,
+                load_time_s=a.emu_load_time, graph_time_s=a.emu_graph_time,
+                chunked_prefill_size=a.chunked_prefill_size, max_prefill_tokens=a.max_prefill_tokens,
+                max_running_requests=a.max_running_requests, context_length=a.context_length,
+                ignore_sigterm=a.emu_ignore_sigterm,
+                orphan=a.emu_orphan_on_crash and rank == a.tp_size - 1,
+            )
+            self.children.append(start_scheduler(spec, self.model))
+        self.children.append(start_detokenizer(a.emu_ignore_sigterm))
+        reports = []
+        for c in self.children:
+            if c.rank is None:
+                continue
+            line = b""
+            while not line.endswith(b"\n"):
+                try:
+                    chunk = os.read(c.from_child, 65536)
+                except InterruptedError:
+                    continue
+                if not chunk:
+                    time.sleep(0.5)  # let a failing child's SIGQUIT arrive first
+                    log(f"Rank {c.rank} scheduler is dead. Please check if there are relevant logs.")
+                    self.kill_tree()
+                line += chunk
+            reports.append(json.loads(line))
+        return reports
+
+    def check_host_memory(self, kv_gib: float) -> None:
+        a = self.args
+        if not a.enable_hierarchical_cache:
+            return
+        per_rank = float(a.hicache_size) if a.hicache_size else kv_gib * a.hicache_ratio
+        want = per_rank * a.tp_size
+        have = a.emu_host_mem_gib
+        if have is None:
+            have = psutil.virtual_memory().available / 2**30
+        if want > have:
+            self.crash_scheduler(
+                f"ValueError: Not enough host memory available. Requesting {per_rank:.2f} GB but only have "
+                f"{have / a.tp_size:.2f} GB free. Please reduce the size of the hierarchical cache."
+            )
+            signal.pause()
+
+    # ------------------------------------------------------------------ serving
+    async def serve(self, memory: dict[str, object]) -> None:
+        from aiohttp import web
+
+        from emulator.engine import Engine, EngineConfig
+        from emulator.server import ServerState, build_app
+        from emulator.textgen import format_for_model
+
+        a = self.args
+        self.loop = asyncio.get_running_loop()
+        engine = Engine(
+            EngineConfig(
+                max_running_requests=a.max_running_requests,
+                chunked_prefill_size=a.chunked_prefill_size,
+                max_queued_requests=a.max_queued_requests,
+                prefill_us_per_token=a.emu_prefill_us_per_token,
+                decode_ms_per_step=a.emu_decode_ms_per_step,
+                headroom_mib=float(memory["headroom"]) * 1024,  # type: ignore[arg-type]
+                activation_mib_per_token=self.model.profile.activation_mib_per_token,
+                total_gib=float(memory["total_gib"]),  # type: ignore[arg-type]
+                held_gib=float(memory["total_gib"]) - float(memory["headroom"]),  # type: ignore[arg-type]
+                kv_tokens=int(memory["kv_tokens"]),  # type: ignore[call-overload]
+            ),
+            on_oom=self.crash_scheduler,
+        )
+        engine.start()
+        st = ServerState(
+            args=a, model=self.model, fmt=format_for_model(self.model.model_type, self.model.architecture),
+            engine=engine, context_length=a.context_length,
+            served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
+            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None,
+        )
+        self.state = st
+        for c in self.children:
+            self.loop.add_reader(c.from_child, self._child_gone, c)
+        runner = web.AppRunner(build_app(st), access_log=None, handle_signals=False)
+        await runner.setup()
+        raw(f"INFO:     Started server process [{os.getpid()}]")
+        raw("INFO:     Waiting for application startup.")
+        raw("INFO:     Application startup complete.")
+        try:
+            await web.TCPSite(runner, a.host, a.port, backlog=2048).start()
+        except OSError as exc:
+            raw(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+                f"('{a.host}', {a.port}): {(exc.strerror or str(exc)).lower()}")
+            for c in self.children:
+                if not c.orphan:
+                    try:
+                        os.kill(c.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            os._exit(1)
+        raw(f"INFO:     Uvicorn running on http://{a.host}:{a.port} (Press CTRL+C to quit)")
+        if not a.skip_server_warmup:
+            await asyncio.sleep(a.emu_warmup_time)
+            log("Prefill batch. #new-seq: 1, #new-token: 6, #cached-token: 0, token usage: 0.00, "
+                "#running-req: 0, #queue-req: 0, ", tp=0)
+        if st.phase == "starting":
+            st.phase = "ready"
+            log("The server is fired up and ready to roll!")
+        await asyncio.get_running_loop().create_future()
+
+    def _child_gone(self, c: Child) -> None:
+        assert self.loop is not None
+        try:
+            data = os.read(c.from_child, 65536)
+        except OSError:
+            data = b""
+        if data:
+            return
+        self.loop.remove_reader(c.from_child)
+        if self.dying:
+            return
+
+        def confirm() -> None:
+            if not self.dying:
+                who = "detokenizer" if c.rank is None else f"Rank {c.rank} scheduler"
+                log(f"{who} is dead. Please check if there are relevant logs.")
+                self.kill_tree()
+
+        # a failing child SIGQUITs us before it exits; give that signal the first word
+        self.loop.call_later(0.5, confirm)
+
+
+def _finish_args(args: argparse.Namespace, model: ModelInfo) -> None:
+    if args.served_model_name is None:
+        args.served_model_name = args.model_path
+    if args.context_length is None:
+        args.context_length = model.context_length
+    if args.mem_fraction_static is None:
+        args.mem_fraction_static = 0.88
+    if args.max_running_requests is None:
+        args.max_running_requests = 2048 if args.emu_decode_ms_per_step <= 0 else 256
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the emulator. Returns only on a usage error (2) or a missing model dir (1)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if not 0 < (args.mem_fraction_static or 0.5) < 1:
+        parser.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
+    try:
+        model = load_model(args.model_path, args.emu_profile)
+    except OSError as exc:
+        raw("Traceback (most recent call last):")
+        raw('  File "/sgl-workspace/sglang/python/sglang/launch_server.py", line 11, in <module>')
+        raw("    server_args = prepare_server_args(sys.argv[1:])")
+        raw(f"OSError: {exc}")
+        return 1
+    _finish_args(args, model)
+    shown = {k: v for k, v in vars(args).items() if not k.startswith("emu_")}
+    log("server_args=ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
+    m = Main(args, model)
+    signal.signal(signal.SIGQUIT, m.on_sigquit)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.emu_ignore_sigterm else m.on_sigterm)
+    reports = m.start_children()
+    rank0 = reports[0]
+    m.check_host_memory(float(rank0["kv"]))  # type: ignore[arg-type]
+    try:
+        asyncio.run(m.serve(rank0))
+    except KeyboardInterrupt:
+        m.kill_tree()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The throughput model: batch slots, prefill batches, one decode step per running batch.
+
+Requests wait in a FIFO queue. The scheduler admits waiting requests into free slots
+(``--max-running-requests``) as one prefill batch of at most ``--chunked-prefill-size`` prompt tokens
+(a single longer prompt goes alone), taking ``prompt_tokens * prefill_us_per_token``; the prefill yields
+each request's first token. Then each decode step takes ``decode_ms_per_step`` and gives every running
+request one more token. With both times zero every request is answered in the event-loop tick after it
+arrives, but requests that arrive in the same tick still form one prefill batch, so the activation
+memory model (``torch.OutOfMemoryError`` when a batch needs more than the headroom) applies either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from emulator.logs import log
+from emulator.textgen import Output
+
+__all__ = ["Engine", "EngineConfig", "Req", "QueueFull"]
+
+
+class QueueFull(Exception):
+    """``--max-queued-requests`` waiting requests already: SGLang answers 503."""
+
+
+@dataclass
+class Req:
+    """One generation in the engine."""
+
+    rid: str
+    prompt_tokens: int
+    output: Output
+    created: float
+    generated: int = 0
+    finished_at: float | None = None
+    done: asyncio.Future[None] | None = None
+    waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.output.completion_tokens
+
+    def notify(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_queued_requests: int | None
+    prefill_us_per_token: float
+    decode_ms_per_step: float
+    headroom_mib: float
+    activation_mib_per_token: float
+    total_gib: float
+    held_gib: float
+    kv_tokens: int
+    decode_log_interval: int = 40
+
+
+class Engine:
+    """Owns the queue, the running batch and the counters /metrics reports."""
+
+    def __init__(self, cfg: EngineConfig, on_oom: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.on_oom = on_oom
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.halted = False  # crashed or hung: nothing advances any more
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_total = 0
+        self.busy_slot_seconds = 0.0
+        self._busy_mark = time.monotonic()
+        self.last_gen_throughput = 0.0
+        self._tp_window: collections.deque[tuple[float, int]] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._scheduled = False
+        self._task: asyncio.Task[None] | None = None
+        self.instant = cfg.prefill_us_per_token <= 0 and cfg.decode_ms_per_step <= 0
+        self._steps = 0
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        if not self.instant:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def submit(self, reqs: list[Req]) -> None:
+        """Queue ``reqs`` (all or none). Raises QueueFull."""
+        limit = self.cfg.max_queued_requests
+        if limit is not None and len(self.waiting) + len(reqs) > limit:
+            raise QueueFull()
+        loop = asyncio.get_running_loop()
+        for r in reqs:
+            r.done = loop.create_future()
+        self.waiting.extend(reqs)
+        if self.instant:
+            if not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self._instant_tick)
+        elif self._wake is not None:
+            self._wake.set()
+
+    def token_usage(self) -> float:
+        used = sum(r.prompt_tokens + r.generated for r in self.running)
+        return used / self.cfg.kv_tokens if self.cfg.kv_tokens else 0.0
+
+    def busy_seconds(self) -> float:
+        self._account()
+        return self.busy_slot_seconds
+
+    # ------------------------------------------------------------------ internals
+    def _account(self) -> None:
+        now = time.monotonic()
+        self.busy_slot_seconds += len(self.running) * (now - self._busy_mark)
+        self._busy_mark = now
+
+    def _record_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.generation_tokens_total += n
+        win = self._tp_window
+        win.append((now, n))
+        while win and now - win[0][0] > 5.0:
+            win.popleft()
+        span = now - win[0][0] if len(win) > 1 else 0.0
+        if span > 0:
+            self.last_gen_throughput = sum(x for _, x in win) / span
+
+    def _take_batch(self) -> list[Req]:
+        """Admit a prefill batch from the queue (slots and chunked prefill size permitting)."""
+        batch: list[Req] = []
+        tokens = 0
+        free = self.cfg.max_running_requests - len(self.running)
+        while self.waiting and len(batch) < free:
+            nxt = self.waiting[0]
+            if batch and tokens + nxt.prompt_tokens > self.cfg.chunked_prefill_size:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += nxt.prompt_tokens
+            if tokens >= self.cfg.chunked_prefill_size:
+                break
+        return batch
+
+    def _prefill_fits(self, batch: list[Req]) -> bool:
+        """Check the batch's activation memory against the headroom; crash the server if not."""
+        # a chunked prefill never processes more than chunked_prefill_size tokens at once
+        tokens = min(sum(r.prompt_tokens for r in batch), self.cfg.chunked_prefill_size)
+        need_mib = tokens * self.cfg.activation_mib_per_token
+        if need_mib <= self.cfg.headroom_mib:
+            return True
+        self.halted = True
+        self.on_oom(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+            f"{need_mib / 1024:.2f} GiB. GPU 0 has a total capacity of {self.cfg.total_gib:.2f} GiB of which "
+            f"{self.cfg.headroom_mib:.2f} MiB is free. Including non-PyTorch memory, this process has "
+            f"{self.cfg.held_gib:.2f} GiB memory in use. Of the allocated memory "
+            f"{self.cfg.held_gib - 0.5:.2f} GiB is allocated by PyTorch, and 512.00 MiB is reserved by "
+            "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+            "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+        return False
+
+    def _log_prefill(self, batch: list[Req]) -> None:
+        log(
+            f"Prefill batch. #new-seq: {len(batch)}, #new-token: {sum(r.prompt_tokens for r in batch)}, "
+            f"#cached-token: 0, token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, "
+            f"#queue-req: {len(self.waiting)}, ",
+            tp=0,
+        )
+
+    def _finish(self, r: Req, now: float) -> None:
+        r.finished_at = now
+        self.requests_total += 1
+        if r.done is not None and not r.done.done():
+            r.done.set_result(None)
+        r.notify()
+
+    def _instant_tick(self) -> None:
+        self._scheduled = False
+        while self.waiting and not self.halted:
+            batch = self._take_batch()
+            if not batch:
+                break
+            self._log_prefill(batch)
+            if not self._prefill_fits(batch):
+                return
+            now = time.monotonic()
+            gen = 0
+            for r in batch:
+                self.prompt_tokens_total += r.prompt_tokens
+                r.generated = r.total
+                gen += r.total
+                self._finish(r, now)
+            self._record_tokens(gen)
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        cfg = self.cfg
+        while True:
+            if self.halted:
+                return
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._take_batch() if self.waiting else []
+            if batch:
+                self._log_prefill(batch)
+                if not self._prefill_fits(batch):
+                    return
+                tokens = sum(r.prompt_tokens for r in batch)
+                self._account()
+                self.running.extend(batch)
+                if cfg.prefill_us_per_token > 0:
+                    await asyncio.sleep(tokens * cfg.prefill_us_per_token / 1e6)
+                if self.halted:
+                    return
+                self.prompt_tokens_total += tokens
+                now = time.monotonic()
+                first = 0
+                for r in batch:
+                    if r.total > 0:
+                        r.generated = 1
+                        first += 1
+                    r.notify()
+                self._record_tokens(first)
+                self._retire(now)
+                continue
+            if cfg.decode_ms_per_step > 0:
+                await asyncio.sleep(cfg.decode_ms_per_step / 1000.0)
+            if self.halted:
+                return
+            for r in self.running:
+                r.generated += 1
+                r.notify()
+            self._record_tokens(len(self.running))
+            self._steps += 1
+            if self._steps % cfg.decode_log_interval == 0:
+                log(
+                    f"Decode batch. #running-req: {len(self.running)}, "
+                    f"#token: {sum(r.prompt_tokens + r.generated for r in self.running)}, "
+                    f"token usage: {self.token_usage():.2f}, cuda graph: True, "
+                    f"gen throughput (token/s): {self.last_gen_throughput:.2f}, #queue-req: {len(self.waiting)}, ",
+                    tp=0,
+                )
+            self._retire(time.monotonic())
+
+    def _retire(self, now: float) -> None:
+        if not any(r.generated >= r.total for r in self.running):
+            return
+        self._account()
+        keep = []
+        for r in self.running:
+            if r.generated >= r.total:
+                self._finish(r, now)
+            else:
+                keep.append(r)
+        self.running = keep

@@ -1,0 +1,498 @@
+"""The emulator's HTTP side: SGLang's endpoints, JSON shapes and status codes on aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from emulator.engine import Engine, QueueFull, Req
+from emulator.profile import ModelInfo
+from emulator.textgen import (
+    PARSER_TAGS,
+    ReasoningFormat,
+    count_tokens,
+    generate,
+    split_reasoning,
+)
+
+__all__ = ["ServerState", "build_app"]
+
+SGLANG_VERSION = "0.5.2"
+_JSON = "application/json"
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share."""
+
+    args: Any  # argparse.Namespace of the launch
+    model: ModelInfo
+    fmt: ReasoningFormat
+    engine: Engine
+    context_length: int
+    served_model_name: str
+    memory: dict[str, Any]
+    on_crash: Callable[[str], None]
+    phase: str = "starting"  # starting | ready | shutting_down
+    hung: bool = False
+    generate_count: int = 0
+    rng_503: random.Random | None = None
+    template: Any = None
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=_JSON)
+
+
+def _error(message: str, status: int = 400, kind: str = "Bad Request") -> web.Response:
+    return _json({"object": "error", "message": message, "type": kind, "param": None, "code": status}, status)
+
+
+def _queue_full() -> web.Response:
+    return _error("The request queue is full.", 503, "503")
+
+
+async def _never() -> web.Response:
+    await asyncio.get_running_loop().create_future()
+    raise AssertionError("unreachable")
+
+
+def _token_ids(tokens: list[str], extra: int) -> list[int]:
+    ids = [100 + zlib.crc32(t.encode()) % 150000 for t in tokens]
+    ids.extend(100 + (len(ids) + i) % 150000 for i in range(extra))
+    return ids
+
+
+def _meta(st: ServerState, r: Req, final: bool, upto: int | None = None) -> dict[str, Any]:
+    now = time.monotonic()
+    return {
+        "id": r.rid,
+        "finish_reason": r.output.finish_reason if final else None,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.total if upto is None else upto,
+        "cached_tokens": 0,
+        "weight_version": "default",
+        "e2e_latency": (r.finished_at or now) - r.created,
+    }
+
+
+def _result(st: ServerState, r: Req) -> dict[str, Any]:
+    out = r.output
+    return {
+        "text": out.text,
+        "output_ids": _token_ids(out.tokens, out.extra),
+        "meta_info": _meta(st, r, True),
+    }
+
+
+def _partial(st: ServerState, r: Req, n: int) -> dict[str, Any]:
+    """The streamed chunk after ``n`` generated tokens (cumulative text)."""
+    toks = r.output.tokens
+    final = n >= r.total
+    shown = toks if final else toks[: min(n, len(toks))]
+    return {
+        "text": "".join(shown),
+        "output_ids": _token_ids(shown, r.output.extra if final else max(0, n - len(toks))),
+        "meta_info": _meta(st, r, final, upto=n),
+    }
+
+
+def _check_params(sp: dict[str, Any]) -> str | None:
+    """SGLang's SamplingParams.verify messages for the fields datagen sends."""
+    mnt = sp.get("max_new_tokens", 128)
+    if mnt is not None and (not isinstance(mnt, int) or mnt < 0):
+        return f"max_new_tokens must be at least 0, got {mnt}."
+    t = sp.get("temperature", 1.0)
+    if not isinstance(t, int | float) or t < 0:
+        return f"temperature must be non-negative, got {t}."
+    tp = sp.get("top_p", 1.0)
+    if not isinstance(tp, int | float) or not 0 < tp <= 1:
+        return f"top_p must be in (0, 1], got {tp}."
+    n = sp.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        return f"n must be at least 1, got {n}."
+    stop = sp.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
+        return "stop must be a string or a list of strings."
+    return None
+
+
+def _make_req(
+    st: ServerState, prompt: str | None, ids: list[int] | None, sp: dict[str, Any], rid: str | None, sample: int
+) -> Req | web.Response:
+    if prompt is not None:
+        n_prompt = count_tokens(prompt)
+        key: Any = prompt
+    else:
+        assert ids is not None
+        n_prompt = len(ids)
+        key = tuple(ids)
+    if n_prompt >= st.context_length:
+        return _json(
+            {"error": {"message": f"The input ({n_prompt} tokens) is longer than the model's context length "
+                                  f"({st.context_length} tokens)."}},
+            400,
+        )
+    stop = sp.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    mnt = sp.get("max_new_tokens", 128)
+    if mnt is None:
+        mnt = st.context_length - n_prompt
+    mnt = min(int(mnt), st.context_length - n_prompt)
+    seed_parts = (st.args.emu_seed, sp.get("sampling_seed"), sample if float(sp.get("temperature", 1.0)) > 0 else 0)
+    fmt = st.fmt
+    tail = prompt.rstrip() if prompt is not None else ""
+    opened = bool(fmt.start) and tail.endswith(fmt.start)
+    closed = bool(fmt.end) and tail.endswith(fmt.end)
+    out = generate(
+        repr((key, seed_parts)),
+        fmt,
+        seed=int(st.args.emu_seed),
+        mean_tokens=int(st.args.emu_output_tokens),
+        max_new_tokens=mnt,
+        stop=[s for s in stop if isinstance(s, str)],
+        eos_token_id=st.model.eos_token_id,
+        opened=opened,
+        closed=closed,
+    )
+    return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic())
+
+
+async def _read_json(request: web.Request) -> Any:
+    body = await request.read()
+    try:
+        return orjson.loads(body) if body else {}
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(
+            body=orjson.dumps({"object": "error", "message": f"Invalid JSON: {exc}", "type": "Bad Request",
+                               "param": None, "code": 400}),
+            content_type=_JSON,
+        ) from None
+
+
+def build_app(st: ServerState) -> web.Application:
+    """The aiohttp application serving SGLang's endpoints from ``st``."""
+    engine = st.engine
+    api_key = st.args.api_key
+
+    def ready_or_503() -> web.Response | None:
+        if st.phase != "ready":
+            return web.Response(status=503)
+        return None
+
+    async def health(request: web.Request) -> web.Response:
+        if st.hung and st.phase == "ready":
+            # SGLang waits this long for the 1-token generation before answering 503
+            await asyncio.sleep(float(st.args.emu_health_timeout))
+            return web.Response(status=503)
+        return ready_or_503() or web.Response(status=200)
+
+    def _admit_faults() -> web.Response | None:
+        """Per-request faults: hang, crash, 503 rate. None when the request may proceed."""
+        st.generate_count += 1
+        a = st.args
+        if st.hung or engine.halted:
+            return None  # caller awaits forever
+        if a.emu_hang_after is not None and st.generate_count > a.emu_hang_after:
+            st.hung = True
+            engine.halted = True
+            return None
+        if a.emu_crash_after is not None and st.generate_count > a.emu_crash_after:
+            engine.halted = True
+            st.on_crash(f"RuntimeError: emulated scheduler failure (--emu-crash-after {a.emu_crash_after})")
+            return None
+        if st.rng_503 is not None and st.rng_503.random() < a.emu_503_rate:
+            return _queue_full()
+        return web.Response(status=200)
+
+    async def generate_handler(request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            return _error("The request body must be a JSON object.")
+        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+        if len(given) != 1:
+            return _error("Either text, input_ids or input_embeds should be provided.")
+        if given[0] == "input_embeds":
+            return _error("input_embeds is not supported by the emulator.")
+        fault = _admit_faults()
+        if fault is None:
+            return await _never()
+        if fault.status != 200:
+            return fault
+        text = body.get("text")
+        ids = body.get("input_ids")
+        batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+        prompts: list[tuple[str | None, list[int] | None]]
+        if text is not None:
+            prompts = [(t, None) for t in (text if isinstance(text, list) else [text])]
+            if not all(isinstance(t, str) for t, _ in prompts):
+                return _error("text must be a string or a list of strings.")
+        else:
+            id_lists: list[Any] = list(ids) if batch and isinstance(ids, list) else [ids]
+            if not all(isinstance(i, list) and all(isinstance(x, int) for x in i) for i in id_lists):
+                return _error("input_ids must be a list of ints or a list of lists of ints.")
+            prompts = [(None, i) for i in id_lists]
+        if not prompts:
+            return _error("Either text, input_ids or input_embeds should be provided.")
+        sps = body.get("sampling_params") or {}
+        if isinstance(sps, list):
+            if len(sps) != len(prompts):
+                return _error("The number of sampling_params does not match the number of prompts.")
+        elif isinstance(sps, dict):
+            sps = [sps] * len(prompts)
+        else:
+            return _error("sampling_params must be a dict or a list of dicts.")
+        rids = body.get("rid")
+        if isinstance(rids, str):
+            rids = [rids] if not batch else None
+        if rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)):
+            return _error("The rid should be a string or a list of strings with the same length as the batch.")
+        reqs: list[Req] = []
+        for i, ((t, ii), sp) in enumerate(zip(prompts, sps, strict=True)):
+            if not isinstance(sp, dict):
+                return _error("sampling_params must be a dict or a list of dicts.")
+            msg = _check_params(sp)
+            if msg:
+                return _error(msg)
+            n = int(sp.get("n", 1))
+            for k in range(n):
+                rid = rids[i] if rids else None
+                if rid is not None and n > 1:
+                    rid = f"{rid}_{k}"
+                made = _make_req(st, t, ii, sp, rid, k)
+                if isinstance(made, web.Response):
+                    return made
+                reqs.append(made)
+        try:
+            engine.submit(reqs)
+        except QueueFull:
+            return _queue_full()
+        many = batch or len(reqs) > 1
+        if body.get("stream"):
+            return await _stream(request, reqs, many)
+        for r in reqs:
+            assert r.done is not None
+            await r.done
+        if many:
+            return _json([_result(st, r) for r in reqs])
+        return _json(_result(st, reqs[0]))
+
+    async def _stream(request: web.Request, reqs: list[Req], many: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        for idx, r in enumerate(reqs):
+            sent = 0
+            while True:
+                n = r.generated
+                while sent < n:
+                    sent += 1
+                    chunk = _partial(st, r, sent)
+                    if many:
+                        chunk["index"] = idx
+                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if sent >= r.total:
+                    break
+                r.waiter = loop.create_future()
+                await r.waiter
+            if r.total == 0:
+                await resp.write(b"data: " + orjson.dumps(_partial(st, r, 0)) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def model_info(request: web.Request) -> web.Response:
+        return _json({
+            "model_path": st.args.model_path,
+            "tokenizer_path": st.args.tokenizer_path or st.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": st.model.model_type,
+            "architectures": [st.model.architecture],
+        })
+
+    async def server_info(request: web.Request) -> web.Response:
+        info = {k: v for k, v in vars(st.args).items() if not k.startswith("emu_") and k != "api_key"}
+        info.update({
+            "status": st.phase if st.phase != "ready" else "Up",
+            "version": SGLANG_VERSION,
+            "max_total_num_tokens": st.memory["kv_tokens"],
+            "emulator": True,
+            "internal_states": [{
+                "last_gen_throughput": round(engine.last_gen_throughput, 3),
+                "memory_usage": {
+                    "weight": round(st.memory["weights"], 2),
+                    "kvcache": round(st.memory["kv"], 2),
+                    "token_capacity": st.memory["kv_tokens"],
+                    "graph": round(st.memory["graph"], 2),
+                },
+                "effective_max_running_requests_per_dp": st.args.max_running_requests,
+                "avail_gpu_mem_gb": round(st.memory["headroom"], 2),
+            }],
+        })
+        return _json(info)
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                "waiting requests, the operation will not be performed.)\n")
+        busy = bool(engine.running or engine.waiting)
+        return web.Response(text=text, status=400 if busy else 200)
+
+    async def models(request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": st.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sglang", "root": st.served_model_name, "max_model_len": st.context_length,
+        }]})
+
+    def _render(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        if st.template is None:
+            if not st.model.chat_template:
+                return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "
+            import jinja2
+
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(msg: str) -> None:
+                raise jinja2.TemplateError(msg)
+
+            env.globals["raise_exception"] = raise_exception
+            st.template = env.from_string(st.model.chat_template)
+        return str(st.template.render(messages=messages, add_generation_prompt=True, **kwargs))
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        msgs = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            return _error("messages must be a non-empty list.")
+        try:
+            prompt = _render(msgs, dict(body.get("chat_template_kwargs") or {}))
+        except Exception as exc:  # jinja errors are the client's fault: SGLang answers 400 too
+            return _error(f"Failed to apply the chat template: {exc}")
+        fault = _admit_faults()
+        if fault is None:
+            return await _never()
+        if fault.status != 200:
+            return fault
+        sp = {
+            "max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
+            "temperature": body.get("temperature", 1.0),
+            "top_p": body.get("top_p", 1.0),
+            "stop": body.get("stop"),
+            "sampling_seed": body.get("seed"),
+            "n": body.get("n", 1),
+        }
+        msg = _check_params({k: v for k, v in sp.items() if v is not None})
+        if msg:
+            return _error(msg)
+        reqs = []
+        for k in range(int(sp["n"] or 1)):
+            made = _make_req(st, prompt, None, {k2: v for k2, v in sp.items() if v is not None}, None, k)
+            if isinstance(made, web.Response):
+                return made
+            reqs.append(made)
+        try:
+            engine.submit(reqs)
+        except QueueFull:
+            return _queue_full()
+        for r in reqs:
+            assert r.done is not None
+            await r.done
+        parser = st.args.reasoning_parser
+        sep = body.get("separate_reasoning", True)
+        choices = []
+        for i, r in enumerate(reqs):
+            text = r.output.text
+            reasoning = None
+            if parser and sep and parser in PARSER_TAGS:
+                forced = bool(st.fmt.start) and prompt.rstrip().endswith(st.fmt.start)
+                reasoning, text = split_reasoning(text, parser, forced)
+            fr = r.output.finish_reason
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": text, "reasoning_content": reasoning,
+                            "tool_calls": None},
+                "logprobs": None,
+                "finish_reason": fr["type"],
+                "matched_stop": fr.get("matched"),
+            })
+        ptoks = reqs[0].prompt_tokens
+        ctoks = sum(r.total for r in reqs)
+        return _json({
+            "id": uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": st.served_model_name, "choices": choices,
+            "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + ctoks, "completion_tokens": ctoks,
+                      "prompt_tokens_details": None},
+        })
+
+    async def separate_reasoning(request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        parser = body.get("reasoning_parser") if isinstance(body, dict) else None
+        if parser not in PARSER_TAGS:
+            return _error(f"Unsupported reasoning parser: {parser}")
+        reasoning, text = split_reasoning(str(body.get("text", "")), parser)
+        return _json({"reasoning_text": reasoning or "", "text": text})
+
+    async def metrics(request: web.Request) -> web.Response:
+        label = f'{{model_name="{st.served_model_name}"}}'
+        rows = [
+            ("num_running_reqs", "gauge", "The number of running requests.", len(engine.running)),
+            ("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", len(engine.waiting)),
+            ("token_usage", "gauge", "The token usage.", engine.token_usage()),
+            ("gen_throughput", "gauge", "The generation throughput (token/s).", engine.last_gen_throughput),
+            ("max_running_requests", "gauge", "Batch slots (--max-running-requests).",
+             st.args.max_running_requests),
+            ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens_total),
+            ("generation_tokens_total", "counter", "Number of generation tokens processed.",
+             engine.generation_tokens_total),
+            ("num_requests_total", "counter", "Number of requests processed.", engine.requests_total),
+            ("emu_busy_slot_seconds_total", "counter",
+             "Emulator only: integral over time of the number of running requests.", engine.busy_seconds()),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            base = name[: -len("_total")] if kind == "counter" else name
+            lines.append(f"# HELP sglang:{base} {help_text}")
+            lines.append(f"# TYPE sglang:{base} {kind}")
+            lines.append(f"sglang:{name}{label} {float(value)}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    middlewares = []
+    if api_key:
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            path = request.path
+            if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+                return await handler(request)
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return _json({"error": "Unauthorized"}, 401)
+            return await handler(request)
+
+        middlewares.append(auth)
+
+    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_post("/generate", generate_handler)
+    for p in ("/model_info", "/get_model_info"):
+        app.router.add_get(p, model_info)
+    for p in ("/server_info", "/get_server_info"):
+        app.router.add_get(p, server_info)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/separate_reasoning", separate_reasoning)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,177 @@
+"""The `datagen` flow: clean GPUs -> launch (tuned) -> health -> inference per dataset (validation
+gate per committed shard) -> validate the output -> (nightly) promote `latest`.
+
+Thin by design: every line calls a stage task (flows/stages.py) or holds a lock. Recovery:
+- a server that dies or hangs mid-run (``ServerGone``): its log is classified, a runtime OOM is
+  recorded so the relaunch starts lower, the server is stopped and cleaned, relaunched, and
+  inference resumes from the committed shards and journals (up to ``run.max_relaunches``);
+- transient errors inside a task: task retries with backoff (``retry_condition_fn`` keeps
+  validation failures and configuration errors from being retried);
+- the flow itself has no retries (Prefect retries a flow whatever the error, validation failures
+  included); any new run resumes from disk instead: tasks are idempotent, results never cached;
+- failure, crash (SIGKILL under a worker) or cancellation: ``cleanup_hook`` runs GPU hygiene on the
+  partition's targets; the body's try/finally stops the server it started.
+
+Locks: the output directory's ``_lock`` (one writer per output) is taken before anything touches
+a GPU, then ``gpu:<host>`` (one server per host) while the server lives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from prefect import flow
+from prefect.context import get_run_context
+
+from flows.gpulimit import gpu_slots, host_of
+from flows.hooks import cleanup_hook
+from flows.progress import Progress
+from flows.stages import (
+    diagnose_server,
+    health_check,
+    hygiene,
+    infer_dataset,
+    launch_server,
+    load_config,
+    prepare_run,
+    promote,
+    stop,
+    validate,
+)
+
+__all__ = ["datagen"]
+
+
+@flow(
+    name="datagen",
+    on_failure=[cleanup_hook],
+    on_crashed=[cleanup_hook],
+    on_cancellation=[cleanup_hook],
+    retries=0,
+    validate_parameters=True,
+)
+def datagen(
+    partition: str = "all",
+    inputs: list[str] | None = None,
+    model_path: str | None = None,
+    out: str | None = None,
+    backend: str | None = None,
+    server_url: str | None = None,
+    shard_size: int | None = None,
+    concurrency: int | None = None,
+    mem_fraction_static: float | None = None,
+    reasoning_parser: str | None = None,
+) -> dict[str, Any]:
+    """Generate a partition's datasets. ``partition`` is a name in deployments/ or a TOML path;
+    the other parameters override the partition config (see ``datagen run --help``).
+
+    Raises: ConfigError, OutputLocked, LaunchFailed, ServerGone (relaunches exhausted),
+    ValidationFailed, InputChanged."""
+    from tasks.shards import OutputDir
+
+    run_id = _flow_run_id()
+    overrides = {k: v for k, v in dict(
+        inputs=inputs, model_path=model_path, out=out, backend=backend, server_url=server_url,
+        shard_size=shard_size, concurrency=concurrency, mem_fraction_static=mem_fraction_static,
+        reasoning_parser=reasoning_parser).items() if v is not None}
+    cfg = load_config(partition, overrides)
+    plan = prepare_run(cfg, run_id)
+    parser = _parser(cfg)
+    target = cfg.targets[0]  # one server per partition; several targets is issue-9 scale-out
+    host = host_of(target)
+    progress = _progress(cfg, run_id)
+    output = OutputDir(plan.out_dir)
+    with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
+        progress.start(*_committed(output))
+        server = None
+        try:
+            with gpu_slots([] if cfg.server_url else [target]):
+                if cfg.server_url is None:
+                    hygiene(target, host, "before-launch", cfg.hygiene_grace_s)
+                    server = launch_server(cfg, target, host, plan, parser, run_id)
+                url = cfg.server_url or server.url
+                health_check(url, host, cfg.api_key())
+                for name, path in cfg.datasets.items():
+                    for attempt in range(cfg.max_relaunches + 1):
+                        try:
+                            infer_dataset(cfg, name, path, plan, url, host, parser, progress, _fingerprint(cfg, parser, url),
+                                          server)
+                            break
+                        except Exception as exc:
+                            if not _server_gone(exc) or server is None or attempt == cfg.max_relaunches:
+                                raise
+                            diagnose_server(cfg, target, host, server, parser)
+                            stop(server, host)
+                            server = None
+                            hygiene(target, host, f"relaunch-{attempt + 1}", cfg.hygiene_grace_s)
+                            server = launch_server(cfg, target, host, plan, parser, run_id)
+                            url = server.url
+                if server is not None:
+                    stop(server, host)
+                    server = None
+        finally:
+            progress.close()
+            if server is not None:
+                stop(server, host)
+        report = validate(cfg, plan)
+        latest = promote(plan)
+    return {"partition": cfg.name, "out_dir": str(plan.out_dir), "latest": latest,
+            "shards": progress.done_shards, "rows": progress.rows, "validation": report["summary"]}
+
+
+def _flow_run_id() -> str | None:
+    try:
+        ctx = get_run_context()
+    except RuntimeError:
+        return None
+    fr = getattr(ctx, "flow_run", None)
+    return str(fr.id) if fr is not None else None
+
+
+def _parser(cfg: Any) -> str | None:
+    if cfg.reasoning_parser:
+        return str(cfg.reasoning_parser)
+    from tasks.reasoning import parser_for_model
+
+    try:
+        return parser_for_model(cfg.model_path)
+    except Exception:  # a remote model dir cannot be read here: the partition must name the parser
+        return None
+
+
+def _progress(cfg: Any, run_id: str | None) -> Progress:
+    import math
+
+    from prefect import get_run_logger
+
+    from tasks.prompts import iter_dataset
+
+    total = 0
+    for name, path in cfg.datasets.items():
+        n = sum(1 for _ in iter_dataset(path, name))  # rejects count: shard k is a fixed input slice
+        total += max(1, math.ceil(n / cfg.shard_size))
+    return Progress(partition=cfg.name, total_shards=total, logger=get_run_logger(), flow_run_id=run_id)
+
+
+def _committed(output: Any) -> tuple[int, int]:
+    shards = list(output.committed_shards()) if output.read_manifest() else []
+    return len(shards), sum(int(getattr(s, "rows", 0)) for s in shards)
+
+
+def _server_gone(exc: BaseException) -> bool:
+    return any(c.__name__ == "ServerGone" for c in type(exc).__mro__)
+
+
+def _fingerprint(cfg: Any, parser: str | None, url: str) -> str:
+    """What the generated text depends on: model, backend, parallelism and flags, not the port, pid
+    or memory fraction (a relaunch at a lower fraction produces the same rows)."""
+    import hashlib
+    import json
+
+    if cfg.server_url is not None:
+        return f"external:{url}"
+    s = cfg.server
+    doc = [cfg.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args), parser]
+    return f"{s.backend}:{hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:12]}"

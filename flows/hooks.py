@@ -1,0 +1,80 @@
+"""State hooks of the datagen flow: GPU hygiene on the partition's targets after failure, crash
+or cancellation.
+
+Hooks run outside the run context, and after a SIGKILL of the flow process they run in the
+process worker (or ``serve``), not in the dead process. So they take everything from the flow
+run's parameters and the run record on disk (``flows.runrecord``), log through
+``flow_run_logger`` and never raise (Prefect only logs a hook's exception). A plain script run
+that is SIGKILLed gets no hook at all: the next run's first task is hygiene anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect.logging.loggers import flow_run_logger
+
+from flows import runrecord
+from flows.gpulimit import host_of
+
+__all__ = ["cleanup_hook"]
+
+
+def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
+    """Kill the servers this run started and verify the GPUs clean on every target."""
+    logger = flow_run_logger(flow_run, flow)
+    run_id = str(flow_run.id)
+    record = runrecord.read(run_id)
+    params = dict(getattr(flow_run, "parameters", None) or {})
+    targets = record.get("targets")
+    grace = 5.0
+    if targets is None:
+        try:
+            from tasks.config import load_partition
+
+            cfg = load_partition(params.get("partition", "all"))
+            targets = list(cfg.targets)
+            grace = cfg.hygiene_grace_s
+        except Exception as exc:
+            logger.error("cleanup hook: cannot load the partition config (%s); nothing cleaned", exc)
+            return
+    if record.get("shared_server") or params.get("server_url"):
+        logger.info("cleanup hook (%s): shared server, GPUs are not ours to clean", state.name)
+        return
+    sim = record.get("sim_gpus")
+    if sim and not os.environ.get("DATAGEN_SIM_GPUS"):
+        # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.
+        os.environ["DATAGEN_SIM_GPUS"] = sim
+    from tasks.hygiene import clean_gpus
+
+    lines = [f"# Cleanup after {state.name}", ""]
+    for target in targets:
+        pids = tuple(
+            int(s["pgid"] or s["pid"]) for s in record.get("servers", []) if s.get("target") == target
+        )
+        try:
+            report = clean_gpus(target=target, grace_s=grace, extra_pids=pids)
+            summary = report.summary()
+            verdict = report.verdict
+        except Exception as exc:
+            summary, verdict = f"hygiene raised {type(exc).__name__}: {exc}", "unknown"
+        level = logger.info if verdict == "clean" else logger.error
+        level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
+        lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
+    _artifact(flow_run.id, "\n".join(lines), logger)
+    runrecord.update(run_id, cleanup={"state": state.name, "done": True})
+
+
+def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        with get_client(sync_client=True) as client:
+            client.create_artifact(
+                ArtifactCreate(key="hygiene-cleanup-hook", type="markdown", data=markdown,
+                               description="GPU hygiene run by the state hook", flow_run_id=flow_run_id)
+            )
+    except Exception as exc:
+        logger.warning("cleanup artifact not created: %s", exc)

@@ -1,0 +1,370 @@
+"""Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
+
+Transport: ``httpx.AsyncClient`` over ``httpx_aiohttp.AiohttpTransport`` by default. httpx is the
+project's client; its default transport (httpcore) costs several times more CPU per request than
+aiohttp's, and on a 2-core host the client must not steal the CPU the server's tokenizer needs.
+bench/bench_client.py measures all three choices (``"httpx"``, ``"httpx-aiohttp"``, ``"aiohttp"``,
+the last is raw aiohttp + orjson) against the emulator; the figures are in the README.
+
+Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx
+(including SGLang's 503 "The request queue is full."), a 400 "Duplicate request ID" (a retry racing
+its own timed-out predecessor) and an ``abort`` finish are retried with exponential backoff and full
+jitter, up to ``max_attempts``. Other 4xx are never retried. When attempts run out the server is
+considered gone.
+
+Errors::
+
+    ClientError
+    ├── ServerGone         retries exhausted: the server stopped answering (carries the last error)
+    └── RequestRejected    a 4xx the client must not retry (status, server message)
+        └── PromptTooLong  the prompt exceeds the model's context length (the row goes to rejects)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import httpx
+import orjson
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "ClientConfig",
+    "ClientError",
+    "ClientStats",
+    "GenerateClient",
+    "GenerateResult",
+    "PromptTooLong",
+    "RequestRejected",
+    "ServerGone",
+    "Transport",
+    "default_concurrency",
+    "server_error_message",
+]
+
+Transport = Literal["httpx", "httpx-aiohttp", "aiohttp"]
+DEFAULT_CONCURRENCY = 128
+# SGLang's phrasings for an over-long input (400, or an abort finish with status_code 400).
+_TOO_LONG = re.compile(
+    r"longer than the model's context length|exceeds the maximum allowed length|"
+    r"maximum context length|is too long|context length",
+    re.IGNORECASE,
+)
+_DUPLICATE_RID = re.compile(r"duplicate request id", re.IGNORECASE)
+
+
+class ClientError(Exception):
+    """Base of the client's errors."""
+
+
+class ServerGone(ClientError):
+    """The server stopped answering: retries exhausted on transport errors, timeouts or 5xx.
+
+    ``rows_done`` and ``result`` are filled in by tasks.inference when it re-raises this after
+    stopping a run (finished rows are in the journal: nothing is lost).
+    """
+
+    def __init__(self, message: str, *, last_error: str = "", rows_done: int = 0, result: Any = None) -> None:
+        super().__init__(message)
+        self.last_error = last_error
+        self.rows_done = rows_done
+        self.result = result
+
+
+class RequestRejected(ClientError):
+    """The server answered 4xx: the request itself is wrong; retrying cannot help."""
+
+    def __init__(self, status: int, message: str, rid: str | None = None) -> None:
+        super().__init__(f"server rejected request {rid!r} with HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.rid = rid
+
+
+class PromptTooLong(RequestRejected):
+    """The prompt does not fit the model's context length (``message`` is the server's)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Connection, timeout and retry settings. Validated on construction (ValueError)."""
+
+    concurrency: int = DEFAULT_CONCURRENCY  # connection pool size; the driver bounds in-flight requests
+    connect_timeout_s: float = 10.0
+    # A whole /generate call: long reasoning at a few tokens/s per request takes many minutes.
+    request_timeout_s: float = 3600.0
+    max_attempts: int = 6
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    transport: Transport = "httpx-aiohttp"
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if min(self.connect_timeout_s, self.request_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.transport not in ("httpx", "httpx-aiohttp", "aiohttp"):
+            raise ValueError(f"transport must be httpx, httpx-aiohttp or aiohttp, got {self.transport!r}")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Delay before retry number ``attempt`` (1-based): exponential, capped, full jitter."""
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * (2 ** (attempt - 1)))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One finished generation. ``finish_reason`` is the type: stop, length or abort."""
+
+    rid: str
+    text: str
+    finish_reason: str
+    finish_detail: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    meta_info: dict[str, Any]
+    latency_s: float
+    attempts: int
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0  # HTTP requests sent, retries included
+    retries: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def server_error_message(body: bytes) -> str:
+    """The message in an SGLang error body (``{"message"}``, ``{"error": {"message"}}``, ``{"detail"}``)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace").strip()[:2000]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                return str(data[key])
+    return str(data)[:2000]
+
+
+def default_concurrency(server_info: dict[str, Any] | None) -> int:
+    """In-flight requests that keep the server's batch full: 2x max_running_requests, else 128.
+
+    Twice the slots keeps SGLang's queue non-empty, so a finished slot is refilled at once rather
+    than after a client round trip; capped at 1024 to bound sockets and client memory.
+    """
+    mrr = (server_info or {}).get("max_running_requests")
+    if isinstance(mrr, int) and mrr > 0:
+        return max(16, min(1024, 2 * mrr))
+    return DEFAULT_CONCURRENCY
+
+
+class _Transient(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+class GenerateClient:
+    """One async HTTP client for a run: ``async with GenerateClient(url, cfg) as c: await c.generate(...)``.
+
+    Not thread-safe; use it from one event loop.
+    """
+
+    def __init__(self, base_url: str, config: ClientConfig | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.config = config or ClientConfig()
+        self.stats = ClientStats()
+        self._httpx: httpx.AsyncClient | None = None
+        self._aiohttp: aiohttp.ClientSession | None = None
+        self._headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            self._headers["Authorization"] = f"Bearer {self.config.api_key}"
+
+    async def __aenter__(self) -> GenerateClient:
+        cfg = self.config
+        if cfg.transport == "aiohttp":
+            self._aiohttp = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency),
+                timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s),
+                headers=self._headers,
+            )
+        else:
+            limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+            timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+            transport: httpx.AsyncBaseTransport | None = None
+            if cfg.transport == "httpx-aiohttp":
+                from httpx_aiohttp import AiohttpTransport
+
+                transport = AiohttpTransport(limits=limits)
+            self._httpx = httpx.AsyncClient(
+                base_url=self.base_url, limits=limits, timeout=timeout, transport=transport,
+                headers=self._headers, trust_env=False,
+            )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._httpx is not None:
+            await self._httpx.aclose()
+            self._httpx = None
+        if self._aiohttp is not None:
+            await self._aiohttp.close()
+            self._aiohttp = None
+
+    # -- raw requests ------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One HTTP exchange. Raises ``_Transient`` for transport errors and timeouts."""
+        try:
+            if self._aiohttp is not None:
+                async with self._aiohttp.request(method, self.base_url + path, data=body) as resp:
+                    return resp.status, await resp.read()
+            if self._httpx is None:
+                raise RuntimeError("GenerateClient used outside `async with`")
+            r = await self._httpx.request(method, path, content=body)
+            return r.status_code, r.content
+        except (httpx.TransportError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # httpx-aiohttp maps aiohttp's connector errors to httpx.ConnectTimeout: look at the cause.
+            if _is_refused(exc):
+                kind = "refused"
+            elif isinstance(exc, httpx.TimeoutException | TimeoutError):
+                kind = "timeout"
+            else:
+                kind = "transport"
+            raise _Transient(kind, f"{type(exc).__name__}: {exc}") from exc
+
+    async def get_json(self, path: str) -> dict[str, Any] | None:
+        """GET ``path``; the JSON object on 200, None on any other status or a transport error."""
+        try:
+            status, body = await self._request("GET", path)
+        except _Transient:
+            return None
+        if status != 200:
+            return None
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def server_info(self) -> dict[str, Any] | None:
+        """``/server_info`` (or the older ``/get_server_info``), None when neither answers."""
+        return await self.get_json("/server_info") or await self.get_json("/get_server_info")
+
+    # -- /generate ---------------------------------------------------------------------------------
+
+    async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:
+        """Generate for one prompt with retries (module docstring).
+
+        Raises ``PromptTooLong`` (over-long prompt), ``RequestRejected`` (other 4xx), ``ServerGone``
+        (retries exhausted). An ``abort`` finish that persists through every attempt is returned.
+        """
+        cfg = self.config
+        body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
+        last = ""
+        for attempt in range(1, cfg.max_attempts + 1):
+            if attempt > 1:
+                self.stats.retries += 1
+                await asyncio.sleep(cfg.backoff_s(attempt - 1))
+            self.stats.requests += 1
+            started = time.perf_counter()
+            try:
+                status, payload = await self._request("POST", "/generate", body)
+            except _Transient as exc:
+                self.stats.count_error(exc.kind)
+                last = exc.detail
+                continue
+            latency = time.perf_counter() - started
+            if status >= 500:
+                self.stats.count_error(f"http_{status}")
+                last = f"HTTP {status}: {server_error_message(payload)}"
+                continue
+            if status >= 400:
+                message = server_error_message(payload)
+                if _DUPLICATE_RID.search(message):
+                    self.stats.count_error("duplicate_rid")
+                    last = f"HTTP {status}: {message}"
+                    continue
+                if _TOO_LONG.search(message):
+                    raise PromptTooLong(status, message, rid)
+                raise RequestRejected(status, message, rid)
+            if status != 200:
+                self.stats.count_error(f"http_{status}")
+                last = f"HTTP {status}: unexpected status"
+                continue
+            result = _parse_generate(rid, payload, latency, attempt)
+            if result.finish_reason == "abort":
+                message = str(result.finish_detail.get("message", ""))
+                if _TOO_LONG.search(message):
+                    raise PromptTooLong(int(result.finish_detail.get("status_code") or 400), message, rid)
+                self.stats.count_error("abort")
+                last = f"aborted: {message}"
+                if attempt < cfg.max_attempts:
+                    continue
+            return result
+        raise ServerGone(
+            f"{self.base_url} stopped answering: request {rid!r} failed {cfg.max_attempts} times; "
+            f"last error: {last}",
+            last_error=last,
+        )
+
+
+def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int) -> GenerateResult:
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise ServerGone(f"/generate answered 200 with a body that is not JSON: {payload[:200]!r}") from exc
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if not isinstance(data, dict) or "text" not in data:
+        raise ServerGone(f"/generate answered 200 without `text`: {str(data)[:200]}")
+    meta = data.get("meta_info") or {}
+    fr = meta.get("finish_reason")
+    detail: dict[str, Any]
+    if isinstance(fr, dict):
+        detail = fr
+    elif isinstance(fr, str):
+        detail = {"type": fr}
+    else:
+        detail = {"type": "abort", "message": "no finish_reason in meta_info"}
+    return GenerateResult(
+        rid=rid,
+        text=str(data["text"]),
+        finish_reason=str(detail.get("type", "abort")),
+        finish_detail=detail,
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        completion_tokens=int(meta.get("completion_tokens") or 0),
+        meta_info=meta,
+        latency_s=latency_s,
+        attempts=attempts,
+    )
+
+
+def _is_refused(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            break
+        if isinstance(seen, ConnectionRefusedError | httpx.ConnectError | aiohttp.ClientConnectorError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,0 +1,250 @@
+"""Export committed output as training JSONL, and re-derive reasoning/content from raw text (resplit).
+
+Export formats (one JSON object a line, streamed shard by shard, batch by batch):
+
+- ``sharegpt``: ``{"id", "conversations": [{"from": "system"|"human"|"gpt"|"tool", "value"}]}``.
+  The final ``gpt`` turn holds reasoning and content the way the model family writes them, so a
+  trainer that renders it with the model's template sees the model's own output:
+  ``<think>\\n{reasoning}\\n</think>\\n\\n{content}`` for the ``<think>`` families (the form Qwen3's
+  template renders past reasoning turns in), ``◁think▷{r}◁/think▷{c}`` (kimi), ``[THINK]{r}[/THINK]{c}``
+  (mistral), ``<|channel|>analysis<|message|>{r}<|end|><|start|>assistant<|channel|>final<|message|>{c}``
+  (gpt-oss). Without a reasoning part the value is the content alone.
+- ``openai-messages``: ``{"id", "messages": [..., {"role": "assistant", "content", "reasoning_content"}]}``
+  (``reasoning_content`` null when there is none).
+- ``specforge``: ``{"id", "conversations": [{"role", "content"}, ..., {"role": "assistant", "content",
+  "reasoning_content"?}]}``: what SpecForge's ``regenerate_train_data.py --reasoning save`` writes
+  and its training scripts read (``reasoning_content`` left out when there is none).
+
+Reasoning and content are whitespace-stripped at the ends in every format (the split keeps the
+newlines around the tags). Rows whose ``finish_reason`` is not ``stop`` (truncated or aborted) are
+left out unless ``include_truncated``. A row with a pre-rendered prompt and no messages exports the
+prompt text as its user turn.
+
+``resplit`` rewrites each committed shard whose split changes (temp + fsync + rename, then the
+manifest's sha256), under the output's lock, with no server. Each shard's bytes are checked against
+the manifest's sha256 before use, by both functions.
+
+Errors: ``ExportError`` (no manifest, a shard missing or not matching its checksum); ``ValueError``
+(unknown format or parser); ``tasks.shards.OutputLocked`` (resplit while a run writes the output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.prompts import opens_think
+from tasks.reasoning import PARSERS, split_reasoning, tags_for
+from tasks.shards import OutputDir, ShardRecord
+
+__all__ = ["FORMATS", "ExportError", "ExportReport", "ResplitReport", "assistant_text", "export", "resplit"]
+
+FORMATS = ("sharegpt", "openai-messages", "specforge")
+_SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+_EXPORT_COLUMNS = ["id", "messages", "prompt", "reasoning", "content", "finish_reason", "reasoning_parser"]
+_BATCH_ROWS = 1024
+
+
+class ExportError(Exception):
+    """The output cannot be read for export/resplit (message names the path and shard)."""
+
+
+@dataclass
+class ExportReport:
+    rows: int = 0
+    skipped_truncated: int = 0
+    shards: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class ResplitReport:
+    parser: str
+    shards: int = 0
+    shards_rewritten: int = 0
+    rows: int = 0
+    rows_changed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def assistant_text(reasoning: str | None, content: str, parser: str | None) -> str:
+    """The assistant turn as the model family writes it (see the module docstring).
+
+    Raises:
+        ValueError: unknown parser.
+    """
+    content = content.strip()
+    if reasoning is None or parser is None:
+        return content
+    reasoning = reasoning.strip()
+    if parser == "gpt-oss":
+        return (
+            f"<|channel|>analysis<|message|>{reasoning}<|end|>"
+            f"<|start|>assistant<|channel|>final<|message|>{content}"
+        )
+    start, end = tags_for(parser)
+    if start == "<think>":
+        return f"<think>\n{reasoning}\n</think>\n\n{content}"
+    return f"{start}{reasoning}{end}{content}"
+
+
+def _verified_shard(out: OutputDir, rec: ShardRecord) -> bytes:
+    try:
+        data = rec.path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ExportError(f"{out.path}: committed shard {rec.file} is missing") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != rec.sha256:
+        raise ExportError(
+            f"{out.path}: shard {rec.file} does not match the manifest (sha256 {digest[:12]}..., "
+            f"manifest {rec.sha256[:12]}...); run `datagen validate` on it"
+        )
+    return data
+
+
+def _shards(out: OutputDir, datasets: list[str] | None) -> list[ShardRecord]:
+    if out.read_manifest() is None:
+        raise ExportError(f"{out.path}: no _manifest.json (not a datagen output, or nothing committed)")
+    recs = list(out.committed_shards())
+    if datasets:
+        known = {r.dataset for r in recs}
+        unknown = [d for d in datasets if d not in known]
+        if unknown:
+            raise ExportError(f"{out.path}: no committed shards for dataset(s) {', '.join(unknown)}")
+        recs = [r for r in recs if r.dataset in datasets]
+    return recs
+
+
+def _record(row: dict[str, Any], fmt: str) -> dict[str, Any]:
+    messages = list(row["messages"] or [])
+    if not messages:
+        messages = [{"role": "user", "content": row["prompt"]}]
+    reasoning, content = row["reasoning"], row["content"]
+    if fmt == "sharegpt":
+        turns = [{"from": _SHAREGPT_FROM.get(m["role"], m["role"]), "value": m["content"]} for m in messages]
+        turns.append({"from": "gpt", "value": assistant_text(reasoning, content, row["reasoning_parser"])})
+        return {"id": row["id"], "conversations": turns}
+    answer: dict[str, Any] = {"role": "assistant", "content": content.strip()}
+    stripped = reasoning.strip() if reasoning is not None else None
+    if fmt == "openai-messages":
+        answer["reasoning_content"] = stripped
+        return {"id": row["id"], "messages": [dict(m) for m in messages] + [answer]}
+    if stripped is not None:
+        answer["reasoning_content"] = stripped
+    return {"id": row["id"], "conversations": [dict(m) for m in messages] + [answer]}
+
+
+def iter_export(
+    out_dir: str | Path, fmt: str, *, datasets: list[str] | None = None, include_truncated: bool = False,
+    report: ExportReport | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield export records of every committed shard (dataset, then shard order).
+
+    Raises:
+        ValueError: unknown format.
+        ExportError: no manifest, unknown dataset, a shard missing or not matching its checksum.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
+    out = OutputDir(out_dir)
+    report = report if report is not None else ExportReport()
+    for rec in _shards(out, datasets):
+        pf = pq.ParquetFile(io.BytesIO(_verified_shard(out, rec)))
+        report.shards += 1
+        for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=_EXPORT_COLUMNS):
+            for row in batch.to_pylist():
+                if row["finish_reason"] != "stop" and not include_truncated:
+                    report.skipped_truncated += 1
+                    continue
+                report.rows += 1
+                yield _record(row, fmt)
+
+
+def export(
+    out_dir: str | Path, fmt: str, sink: IO[str], *, datasets: list[str] | None = None,
+    include_truncated: bool = False,
+) -> ExportReport:
+    """Write the export JSONL to ``sink`` (a text stream); returns the counts.
+
+    Raises:
+        ValueError, ExportError: as :func:`iter_export`.
+    """
+    report = ExportReport()
+    for record in iter_export(out_dir, fmt, datasets=datasets, include_truncated=include_truncated, report=report):
+        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return report
+
+
+def resplit(out_dir: str | Path, parser: str, *, dry_run: bool = False) -> ResplitReport:
+    """Recompute ``reasoning``/``content`` from ``raw`` with ``parser`` for every committed shard.
+
+    The prompt opened the think block when the row's ``think_in_prompt`` says so or its prompt ends
+    with ``parser``'s start tag (the column was computed with the run's parser, which may have been
+    another one or none); that is the split's ``force_reasoning`` and is written back, with
+    ``reasoning_parser``. Shards whose columns do not change are left alone. Holds the output's lock.
+
+    Raises:
+        ValueError: unknown parser.
+        ExportError: no manifest, a shard missing or not matching its checksum.
+        tasks.shards.OutputLocked: a run is writing this output.
+    """
+    if parser.lower() not in PARSERS:
+        tags_for(parser)  # raises ValueError naming the valid parsers
+    parser = parser.lower()
+    out = OutputDir(out_dir)
+    report = ResplitReport(parser=parser)
+    with out.lock({"command": f"datagen resplit --parser {parser}"}):
+        for rec in _shards(out, None):
+            table = pq.read_table(io.BytesIO(_verified_shard(out, rec)))
+            report.shards += 1
+            report.rows += table.num_rows
+            new_table, changed = _resplit_table(table, parser)
+            report.rows_changed += changed
+            unchanged_meta = all(v == parser for v in table.column("reasoning_parser").to_pylist())
+            if changed == 0 and unchanged_meta:
+                continue
+            report.shards_rewritten += 1
+            if not dry_run:
+                out.replace_shard(rec.dataset, rec.index, new_table)
+    return report
+
+
+def _resplit_table(table: pa.Table, parser: str) -> tuple[pa.Table, int]:
+    raws = table.column("raw").to_pylist()
+    prompts = table.column("prompt").to_pylist()
+    flags = table.column("think_in_prompt").to_pylist()
+    old_r = table.column("reasoning").to_pylist()
+    old_c = table.column("content").to_pylist()
+    reasoning: list[str | None] = []
+    content: list[str] = []
+    forced: list[bool] = []
+    changed = 0
+    for i, raw in enumerate(raws):
+        force = bool(flags[i]) or opens_think(prompts[i], parser)
+        r, c = split_reasoning(raw, parser, force)
+        reasoning.append(r)
+        content.append(c)
+        forced.append(force)
+        changed += (r, c) != (old_r[i], old_c[i])
+    schema = table.schema
+    for name, values in (
+        ("reasoning", reasoning),
+        ("content", content),
+        ("think_in_prompt", forced),
+        ("reasoning_parser", [parser] * len(raws)),
+    ):
+        idx = schema.get_field_index(name)
+        table = table.set_column(idx, schema.field(idx), pa.array(values, type=schema.field(idx).type))
+    return table, changed

@@ -1,0 +1,342 @@
+"""Where commands run: the local host, an SSH host, or an LXC container behind a Proxmox host.
+
+Target strings (DESIGN.md "Targets")::
+
+    local
+    ssh://[user@]host[:port]
+    pct://[user@]proxmox-host[:port]/CTID      (commands run via `pct exec CTID` on the host)
+
+Commands are argv lists, never shell lines. For remote targets the target layer builds the one shell
+line sshd needs, quoting every word with `shlex.quote`, wrapping it in a remote ``timeout`` (a
+client-side timeout alone does not stop a remote command without a pty) and closing stdin
+(``</dev/null``; fabric's ``in_stream=False`` sends no EOF). For ``pct://`` the inner command is
+quoted once more for ``pct exec CTID -- bash -lc``, and gets its own ``timeout`` inside the container.
+
+Environment (read when a remote command runs):
+  DATAGEN_SSH_KEY              private key file; when set, no agent and no ~/.ssh key search
+  DATAGEN_SSH_KNOWN_HOSTS      known_hosts file; when set, unknown or changed host keys are refused.
+                               Unset: fabric's default (system known_hosts, unknown hosts accepted)
+  DATAGEN_SSH_CONNECT_TIMEOUT  seconds to wait for the TCP/SSH handshake (default 10)
+  DATAGEN_REMOTE_ENV           ``NAME=VALUE ...`` (shell-word syntax) set for every remote command
+                               through an ``env`` prefix on the target (inside the container for
+                               pct). sshd does not accept arbitrary client environment, and
+                               ``bash -lc`` resets PATH, so this is the one place that reliably sets
+                               e.g. PATH, DATAGEN_SIM_GPUS or DATAGEN_PYTHON remotely.
+                               ``DATAGEN_PYTHON`` in it also names the remote Python (default python3).
+
+Errors:
+  TargetError        a target string that does not parse (names the input)
+  TargetUnreachable  connecting or authenticating failed (names the target)
+A command that runs and fails is not an error: `CommandResult.exited` says how it ended (124 when the
+timeout ended it, as coreutils' timeout reports).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import IO, Any
+
+__all__ = [
+    "Target",
+    "TargetError",
+    "TargetUnreachable",
+    "CommandResult",
+    "parse_target",
+    "run_command",
+    "start_detached",
+    "detached_exit_status",
+    "remote_env",
+    "remote_python",
+    "LOCAL",
+]
+
+TIMEOUT_EXIT = 124
+_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_HOST_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class TargetError(ValueError):
+    """A target string or setting that cannot be used; the message names the offending input."""
+
+
+class TargetUnreachable(ConnectionError):
+    """The target could not be reached or refused us; the message names the target."""
+
+    def __init__(self, target: Target, reason: str) -> None:
+        self.target = target
+        self.reason = reason
+        super().__init__(f"cannot reach {target}: {reason}")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A place to run commands. ``kind`` is "local", "ssh" or "pct"; ``ctid`` only for pct."""
+
+    kind: str = "local"
+    host: str | None = None
+    user: str | None = None
+    port: int = 22
+    ctid: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "local":
+            return "local"
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port != 22 else ""
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        tail = f"/{self.ctid}" if self.kind == "pct" else ""
+        return f"{self.kind}://{user}{host}{port}{tail}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind == "local"
+
+
+LOCAL = Target()
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exited: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exited == 0
+
+
+def parse_target(text: str | Target) -> Target:
+    """Parse ``local``, ``ssh://[user@]host[:port]`` or ``pct://[user@]host[:port]/CTID``.
+
+    Raises TargetError naming the input when it does not parse. Users, hosts and CTIDs are checked
+    against strict patterns, so no shell metacharacter can hide in them.
+    """
+    if isinstance(text, Target):
+        return text
+    raw = text.strip()
+    if raw in ("", "local", "localhost"):
+        return LOCAL
+    m = re.match(r"^(ssh|pct)://(?:([^@/]*)@)?(\[[^\]]*\]|[^:/]*)(?::([^/]*))?(?:/(.*))?$", raw)
+    if not m:
+        raise TargetError(f"bad target {text!r}: expected local, ssh://[user@]host[:port] or "
+                          f"pct://[user@]host[:port]/CTID")
+    kind, user, host, port, path = m.groups()
+    if user is not None and not _USER_RE.match(user):
+        raise TargetError(f"bad target {text!r}: user {user!r} is not a valid user name")
+    if host.startswith("["):
+        host = host[1:-1]
+        try:
+            socket.inet_pton(socket.AF_INET6, host)
+        except OSError:
+            raise TargetError(f"bad target {text!r}: {host!r} is not an IPv6 address") from None
+    elif not _HOST_RE.match(host):
+        raise TargetError(f"bad target {text!r}: host {host!r} is not a valid host name or address")
+    port_no = 22
+    if port is not None:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise TargetError(f"bad target {text!r}: port {port!r} is not a number in 1-65535")
+        port_no = int(port)
+    ctid = None
+    if kind == "pct":
+        if path is None or not path.isdigit() or int(path) <= 0:
+            raise TargetError(f"bad target {text!r}: pct targets end in /CTID (a container number)")
+        ctid = int(path)
+    elif path not in (None, ""):
+        raise TargetError(f"bad target {text!r}: ssh targets take no path")
+    return Target(kind=kind, host=host, user=user or None, port=port_no, ctid=ctid)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def remote_env() -> dict[str, str]:
+    """The ``DATAGEN_REMOTE_ENV`` settings as a dict. Raises TargetError when malformed."""
+    raw = os.environ.get("DATAGEN_REMOTE_ENV", "")
+    out: dict[str, str] = {}
+    try:
+        words = shlex.split(raw)
+    except ValueError as exc:
+        raise TargetError(f"bad DATAGEN_REMOTE_ENV {raw!r}: {exc}") from exc
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not sep or not _ENV_NAME_RE.match(name):
+            raise TargetError(f"bad DATAGEN_REMOTE_ENV entry {word!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def remote_python(target: Target) -> str:
+    """The Python interpreter to use on ``target`` (local: this one)."""
+    import sys
+
+    if target.is_local:
+        return sys.executable
+    return remote_env().get("DATAGEN_PYTHON") or "python3"
+
+
+def _connect_timeout() -> int:
+    raw = os.environ.get("DATAGEN_SSH_CONNECT_TIMEOUT", "10")
+    try:
+        value = math.ceil(float(raw))
+    except ValueError:
+        raise TargetError(f"bad DATAGEN_SSH_CONNECT_TIMEOUT {raw!r}: expected seconds") from None
+    return max(1, value)
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def _env_words(env: dict[str, str] | None) -> list[str]:
+    merged = {**remote_env(), **(env or {})}
+    for name in merged:
+        if not _ENV_NAME_RE.match(name):
+            raise TargetError(f"bad environment variable name {name!r}")
+    return ["env", *(f"{k}={v}" for k, v in merged.items())] if merged else []
+
+
+def remote_command_line(target: Target, argv: list[str], timeout_s: float,
+                        env: dict[str, str] | None = None) -> str:
+    """The exact shell line sent to the SSH host for ``argv`` (exposed for tests and logs)."""
+    if not argv:
+        raise ValueError("empty command")
+    secs = str(max(1, math.ceil(timeout_s)))
+    inner = shlex.join(["timeout", "-k", "5", secs, *_env_words(env), *argv])
+    if target.kind == "pct":
+        outer = ["timeout", "-k", "5", str(int(secs) + 10), "pct", "exec", str(target.ctid), "--",
+                 "bash", "-lc", inner + " </dev/null"]
+        return shlex.join(outer) + " </dev/null"
+    return inner + " </dev/null"
+
+
+def _connection(target: Target) -> Any:
+    from fabric import Connection  # heavy import: only when a remote target is used
+    from paramiko import RejectPolicy
+
+    kwargs: dict[str, Any] = {}
+    key = os.environ.get("DATAGEN_SSH_KEY")
+    if key:
+        kwargs = {"key_filename": key, "allow_agent": False, "look_for_keys": False}
+    conn = Connection(target.host, user=target.user, port=target.port,
+                      connect_timeout=_connect_timeout(), connect_kwargs=kwargs)
+    known = os.environ.get("DATAGEN_SSH_KNOWN_HOSTS")
+    if known:
+        conn.client.load_host_keys(known)
+        conn.client.set_missing_host_key_policy(RejectPolicy())
+    return conn
+
+
+def _open(conn: Any, target: Target) -> None:
+    import paramiko
+
+    try:
+        conn.open()
+    except paramiko.AuthenticationException as exc:
+        raise TargetUnreachable(target, f"authentication failed ({exc})") from exc
+    except (paramiko.SSHException, OSError, EOFError) as exc:  # NoValidConnectionsError is an OSError
+        raise TargetUnreachable(target, f"{type(exc).__name__}: {exc}") from exc
+
+
+def run_command(target: Target | str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                stdin_closed: bool = True) -> CommandResult:
+    """Run ``argv`` on ``target`` and wait at most ``timeout_s`` for it.
+
+    ``env`` adds environment variables (locally: over ours; remotely: over DATAGEN_REMOTE_ENV).
+    stdin is always closed: commands here never read input (``stdin_closed`` exists for the
+    contract and must stay True). A command stopped by the timeout returns exited=124.
+    Raises TargetError (bad target or settings), TargetUnreachable (cannot connect).
+    """
+    target = parse_target(target)
+    if not stdin_closed:
+        raise ValueError("run_command only runs commands with stdin closed")
+    if target.is_local:
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                                  stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            return CommandResult(TIMEOUT_EXIT, out, err + f"\ntimed out after {timeout_s} s")
+        except OSError as exc:  # not found / not executable, as a shell would report it
+            return CommandResult(127, "", f"{argv[0]}: {exc}")
+        return CommandResult(proc.returncode, proc.stdout, proc.stderr)
+    line = remote_command_line(target, argv, timeout_s, env)
+    from invoke.exceptions import CommandTimedOut
+
+    conn = _connection(target)
+    try:
+        _open(conn, target)
+        try:
+            res = conn.run(line, hide=True, warn=True, in_stream=False, timeout=timeout_s + 30)
+        except CommandTimedOut as exc:
+            return CommandResult(TIMEOUT_EXIT, exc.result.stdout, exc.result.stderr)
+        except (OSError, EOFError) as exc:
+            raise TargetUnreachable(target, f"connection lost: {exc}") from exc
+        # exited == -1: the channel closed without an exit status (connection dropped).
+        if res.exited == -1:
+            raise TargetUnreachable(target, "connection closed before the command finished")
+        return CommandResult(int(res.exited), res.stdout, res.stderr)
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------- detached processes
+
+# Local detached children are kept so they can be reaped (no zombies, no ResourceWarning).
+_DETACHED: dict[int, subprocess.Popen[bytes]] = {}
+
+_SPAWN = (
+    "import json,os,subprocess,sys\n"
+    "a=json.loads(sys.argv[1])\n"
+    "log=open(a['log'],'ab')\n"
+    "p=subprocess.Popen(a['argv'],stdin=subprocess.DEVNULL,stdout=log,stderr=subprocess.STDOUT,"
+    "start_new_session=True,env={**os.environ,**a['env']})\n"
+    "print(p.pid)\n"
+)
+
+
+def start_detached(target: Target | str, argv: list[str], log_path: str,
+                   env: dict[str, str] | None = None) -> int:
+    """Start ``argv`` on ``target`` as a new session leader (its pid is its process group id),
+    stdout+stderr appended to ``log_path`` on the target, stdin closed. Returns its pid.
+
+    Raises TargetError, TargetUnreachable, OSError (local: cannot execute), RuntimeError (remote:
+    the spawner failed; the message has its output).
+    """
+    import json
+
+    target = parse_target(target)
+    if not argv:
+        raise ValueError("empty command")
+    if target.is_local:
+        log: IO[bytes] = open(log_path, "ab")  # handed to the child, closed below
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, **(env or {})})
+        finally:
+            log.close()
+        _DETACHED[proc.pid] = proc
+        return proc.pid
+    spec = json.dumps({"argv": argv, "log": log_path, "env": env or {}})
+    res = run_command(target, [remote_python(target), "-c", _SPAWN, spec], timeout_s=60)
+    lines = res.stdout.strip().splitlines()
+    if res.exited != 0 or not lines or not lines[-1].isdigit():
+        raise RuntimeError(f"starting {shlex.join(argv)} on {target} failed (exit {res.exited}): "
+                           f"{(res.stdout + res.stderr).strip()[-2000:]}")
+    return int(lines[-1])
+
+
+def detached_exit_status(pid: int) -> int | None:
+    """Exit status of a local process started by `start_detached` (reaping it), None while running
+    or when it was not started here. A negative value is the signal that ended it."""
+    proc = _DETACHED.get(pid)
+    if proc is None:
+        return None
+    return proc.poll()

@@ -1,0 +1,238 @@
+"""tasks.inference against the real emulator process: clean run, rejects, truncation, callbacks, refusals.
+
+Helpers here (input writer, output readers, /metrics reader, subprocess driver) are shared with
+tests/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.client import ClientConfig
+from tasks.inference import DatasetSpec, InputChanged, OutputLocked, run_dataset
+from tasks.prompts import ChatTemplate
+from tasks.shards import Journal, OutputDir
+from tests.fixtures.emulator import DEMO_MODEL
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_CLIENT = ClientConfig(max_attempts=3, backoff_base_s=0.02, backoff_max_s=0.1, connect_timeout_s=2,
+                           request_timeout_s=30)
+# Zero prefill time and a small decode step: a few hundred rows take about a second.
+EMU_ARGS = ["--mem-fraction-static", "0.88", "--emu-prefill-us-per-token", "0",
+            "--emu-decode-ms-per-step", "1", "--emu-output-tokens", "40", "--max-running-requests", "32"]
+
+
+def write_input(path: Path, n: int, *, bad_at: tuple[int, ...] = (), long_at: tuple[int, ...] = ()) -> list[str]:
+    """JSONL with ``n`` usable rows ``q00000``...; bad lines before records in ``bad_at``; long prompts."""
+    ids = []
+    with open(path, "w") as f:
+        for i in range(n):
+            if i in bad_at:
+                f.write("{not json\n")
+            words = " ".join(f"w{j}" for j in range(600)) if i in long_at else f"question number {i}"
+            f.write(json.dumps({"id": f"q{i:05d}", "messages": [{"role": "user", "content": words}]}) + "\n")
+            ids.append(f"q{i:05d}")
+    return ids
+
+
+def committed_ids(out: Path, dataset: str = "ds") -> list[str]:
+    ids: list[str] = []
+    for rec in OutputDir(out).committed_shards(dataset):
+        ids.extend(pq.read_table(rec.path, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def rows_on_disk(out: Path, dataset: str = "ds") -> int:
+    """Rows committed plus rows in the journals of uncommitted shards (what a rerun must not redo)."""
+    o = OutputDir(out)
+    committed = o.committed_indices(dataset)
+    n = sum(r.rows for r in o.committed_shards(dataset))
+    for k in o.open_journals(dataset):
+        if k not in committed:
+            n += len(Journal.read(o.journal_path(dataset, k)).rows)
+    return n
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^sglang:(\w+)\{[^}]*\} (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits (requests of a killed client drained)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"emulator still busy: {m}")
+        time.sleep(0.02)
+
+
+def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
+    got = committed_ids(out, dataset)
+    rejected = {r.get("id") for r in OutputDir(out).read_rejects(dataset)}
+    expected = [i for i in ids if i not in rejected]
+    assert sorted(got) == sorted(expected), (len(got), len(set(got)), len(expected))
+    manifest = OutputDir(out).read_manifest()
+    assert manifest is not None and manifest["datasets"][dataset]["complete"] is True
+
+
+DRIVER = """
+import json, sys
+from tasks.client import ClientConfig
+from tasks.inference import DatasetSpec, run_dataset
+a = json.loads(sys.argv[1])
+r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=a["shard"],
+                concurrency=a["conc"], sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
+                client_config=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+print(json.dumps(r.to_dict()), flush=True)
+"""
+
+
+def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
+                 flow_run: str | None = None) -> subprocess.Popen[bytes]:
+    args = json.dumps({"input": str(inp), "out": str(out), "url": url, "model": str(DEMO_MODEL),
+                       "shard": shard, "conc": conc, "flow_run": flow_run})
+    return subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def run(inp: Path, out: Path, url: str, shard: int = 16, **kw: Any):
+    kw.setdefault("client_config", FAST_CLIENT)
+    kw.setdefault("sampling", {"max_new_tokens": 64})
+    kw.setdefault("concurrency", 32)
+    return run_dataset(DatasetSpec("ds", inp), out, url, model_dir=DEMO_MODEL, shard_size=shard, **kw)
+
+
+@pytest.fixture
+def emulator(sim_gpus, emulator_factory):
+    return emulator_factory(EMU_ARGS + ["--context-length", "400"])
+
+
+def test_clean_run_every_id_once_with_rejects_columns_and_progress(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 100, bad_at=(3, 40), long_at=(7,))
+    progress, committed = [], []
+    r = run(inp, out, emulator.url, progress=progress.append, on_shard_committed=committed.append,
+            sampling={"max_new_tokens": 40})
+    # 102 records (2 bad lines), 16 per shard -> 7 shards
+    assert (r.shards_total, r.shards_committed_now, r.rows_generated, r.rejects) == (7, 7, 99, 3)
+    assert r.complete and r.requests == 100  # the long prompt's 400 is a request, not retried
+    assert_exactly_once(out, ids)
+    rejects = OutputDir(out).read_rejects("ds")
+    assert sorted(x["line"] for x in rejects) == [4, 9, 42]
+    too_long = [x for x in rejects if x.get("id") == "q00007"][0]
+    assert too_long["status"] == 400 and "longer than the model's context length" in too_long["reason"]
+    manifest = OutputDir(out).read_manifest()
+    for k, s in manifest["datasets"]["ds"]["shards"].items():
+        assert s["rows"] + s["rejects"] == (16 if int(k) < 6 else 102 - 96)
+    assert manifest["datasets"]["ds"]["total_rows"] == 102 and manifest["datasets"]["ds"]["num_shards"] == 7
+    assert [c.index for c in committed] == sorted(c.index for c in committed) or len(committed) == 7
+    assert len(progress) == 7 and progress[-1].dataset_rows_done == 102 and progress[-1].shards_total == 7
+    assert sum(p.rows for p in progress) == 99 and all(p.completion_tokens > 0 for p in progress)
+    assert not list((out / "_journal" / "ds").glob("*.jsonl"))
+
+    rows = [row for c in committed for row in pq.read_table(c.path).to_pylist()]
+    tmpl = ChatTemplate.from_model_dir(DEMO_MODEL)
+    row = rows[0]
+    assert row["prompt"] == tmpl.render(row["messages"])
+    assert row["model"] and row["server"] and json.loads(row["sampling"]) == {"max_new_tokens": 40}
+    assert row["reasoning_parser"] == "qwen3" and row["think_in_prompt"] is False
+    assert str(row["generated_at"].tzinfo) == "UTC" and row["latency_s"] > 0
+    for row in rows:
+        assert row["prompt_tokens"] > 0 and row["completion_tokens"] > 0
+        if row["finish_reason"] == "stop":
+            assert row["reasoning"] is not None and row["raw"].startswith("<think>")
+            assert row["raw"] == "<think>" + row["reasoning"] + "</think>" + row["content"]
+        else:
+            assert row["finish_reason"] == "length"
+            if "</think>" not in row["raw"]:  # truncated inside the reasoning: kept, content empty
+                assert row["content"] == "" and row["reasoning"] == row["raw"].removeprefix("<think>")
+    assert {r["finish_reason"] for r in rows} == {"stop", "length"}
+
+    # a rerun of a complete output sends nothing
+    before = metrics(emulator.url)["num_requests_total"]
+    r2 = run(inp, out, emulator.url)
+    assert r2.shards_skipped == 7 and r2.requests == 0 and r2.shards_committed_now == 0
+    assert metrics(emulator.url)["num_requests_total"] == before
+    assert_exactly_once(out, ids)
+
+
+def test_changed_shard_size_or_input_refused_output_untouched(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 20)
+    run(inp, out, emulator.url, shard=8)
+    before = (out / "_manifest.json").read_bytes()
+    with pytest.raises(InputChanged) as e:
+        run(inp, out, emulator.url, shard=5)
+    assert "shard size" in str(e.value) and "8" in str(e.value) and "5" in str(e.value)
+    assert "--shard-size 8" in str(e.value)
+    with open(inp, "a") as f:
+        f.write(json.dumps({"id": "extra", "messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(InputChanged, match="fingerprint"):
+        run(inp, out, emulator.url, shard=8)
+    assert (out / "_manifest.json").read_bytes() == before
+    assert sorted(committed_ids(out)) == ids
+
+
+def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 80)
+
+    class Gate(Exception):
+        pass
+
+    def gate(rec):
+        if rec.index == 1 or len(OutputDir(out).committed_indices("ds")) >= 2:
+            raise Gate(f"shard {rec.index} failed validation")
+
+    with pytest.raises(Gate):
+        run(inp, out, emulator.url, on_shard_committed=gate)
+    assert OutputDir(out).lock_holder() is None  # lock released
+    done = rows_on_disk(out)
+    before = wait_idle(emulator.url)["num_requests_total"]  # cancelled requests drain first
+    r = run(inp, out, emulator.url)
+    assert r.requests == 80 - done and metrics(emulator.url)["num_requests_total"] - before == 80 - done
+    assert_exactly_once(out, ids)
+
+
+@pytest.mark.slow
+def test_second_concurrent_run_refused_first_unaffected(tmp_path, sim_gpus, emulator_factory, reap_pids):
+    em = emulator_factory(EMU_ARGS[:-2] + ["--max-running-requests", "8", "--emu-decode-ms-per-step", "3"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 150)
+    first = start_driver(inp, out, em.url, shard=16, conc=16, flow_run="fr-first")
+    reap_pids.append(first.pid)
+    deadline = time.monotonic() + 30
+    while OutputDir(out).lock_holder() is None:
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(OutputLocked) as e:
+        run(inp, out, em.url)
+    assert time.monotonic() - t0 < 2.0
+    assert f"pid={first.pid}" in str(e.value) and "flow_run=fr-first" in str(e.value)
+    assert first.poll() is None  # still running, unaffected
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr.decode()[-2000:]
+    assert orjson.loads(stdout.splitlines()[-1])["rows_generated"] == 150
+    assert_exactly_once(out, ids)
