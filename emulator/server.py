@@ -17,12 +17,12 @@ from aiohttp import web
 from emulator.engine import Engine, QueueFull, Req
 from emulator.profile import ModelInfo
 from emulator.textgen import (
-    PARSER_TAGS,
     ReasoningFormat,
     count_tokens,
     generate,
     split_reasoning,
 )
+from tasks.reasoning import PARSERS
 
 __all__ = ["ServerState", "build_app"]
 
@@ -416,7 +416,7 @@ def build_app(st: ServerState) -> web.Application:
         for i, r in enumerate(reqs):
             text = r.output.text
             reasoning = None
-            if parser and sep and parser in PARSER_TAGS:
+            if parser and sep and parser in PARSERS:
                 forced = bool(st.fmt.start) and prompt.rstrip().endswith(st.fmt.start)
                 reasoning, text = split_reasoning(text, parser, forced)
             fr = r.output.finish_reason
@@ -440,7 +440,7 @@ def build_app(st: ServerState) -> web.Application:
     async def separate_reasoning(request: web.Request) -> web.Response:
         body = await _read_json(request)
         parser = body.get("reasoning_parser") if isinstance(body, dict) else None
-        if parser not in PARSER_TAGS:
+        if parser not in PARSERS:
             return _error(f"Unsupported reasoning parser: {parser}")
         reasoning, text = split_reasoning(str(body.get("text", "")), parser)
         return _json({"reasoning_text": reasoning or "", "text": text})

@@ -206,20 +206,11 @@ def generate(
 
 
 def split_reasoning(text: str, parser: str, forced: bool = False) -> tuple[str | None, str]:
-    """SGLang's one-shot reasoning parse: (reasoning or None, content)."""
-    start, end = PARSER_TAGS[parser]
-    forced = forced or parser in FORCED_PARSERS
-    if text.startswith(start):
-        text = text[len(start):]
-        forced = True
-    if not forced:
-        return None, text
-    if end not in text:
-        return text.strip(), ""
-    reasoning, _, content = text.partition(end)
-    if parser == "gpt-oss":
-        marker = "<|channel|>final<|message|>"
-        if marker in content:
-            content = content.split(marker, 1)[1]
-        content = content.replace("<|return|>", "")
-    return reasoning.strip(), content.strip()
+    """SGLang's one-shot reasoning parse: (reasoning or None, content).
+
+    The emulator serves the same split that datagen applies itself (tasks.reasoning), which follows
+    SGLang's reasoning_parser.py, so /v1/chat/completions and /separate_reasoning answer as SGLang does.
+    """
+    from tasks.reasoning import split_reasoning as _split
+
+    return _split(text, parser, force_reasoning=True if forced else None)

@@ -951,6 +951,11 @@ def _launch_remote(
     """Start detached on the target (log on the target), reach it through an SSH local forward."""
     from tasks.targets import parse_target, run_command, start_detached
 
+    if cfg.api_key is not None:
+        # tasks.targets.start_detached ships env inside the remote command line (visible in the
+        # target's `ps`); refuse rather than leak the key until it can send env over stdin.
+        raise ServerError(f"an API key cannot yet be passed to a server on {_target_str(target)} without "
+                          "exposing it on the remote command line; launch without api_key there")
     t = parse_target(target) if isinstance(target, str) else target
     tname = _target_str(target)
     argv = launch_argv(cfg, fraction)

@@ -62,8 +62,12 @@ __all__ = [
     "launch_tuned",
     "list_remembered",
     "memory_key",
+    "gpu_model_name",
     "next_fraction",
+    "prefect_api_reachable",
     "record_runtime_oom",
+    "runtime_failure",
+    "state_dir",
 ]
 
 log = logging.getLogger(__name__)

@@ -248,3 +248,11 @@ def test_launch_failed_message_names_everything():
     for part in ("too_low", "0.5", "raise it", "exit status: -9", "/tmp/x.log", "python -m emulator",
                  "    Not enough memory."):
         assert part in text
+
+
+def test_remote_launch_with_api_key_is_refused(tmp_path):
+    from tasks.server import ServerError, launch
+
+    cfg = ServerConfig(model_path="m", api_key="sk-x", backend="emulator")
+    with pytest.raises(ServerError, match="remote command line"):
+        launch(cfg, "ssh://u@127.0.0.1:1", 0.88, str(tmp_path), deadline_s=5)
