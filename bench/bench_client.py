@@ -239,8 +239,9 @@ def run(quick: bool) -> list[dict[str, Any]]:
             small, big = tmp / "mem-small.jsonl", tmp / "mem-big.jsonl"
             _write_input(small, mem_small)
             _write_input(big, mem_big)
-            rss_small, _ = _peak_rss(url, small, tmp / "out-mem-small")
-            rss_big, _ = _peak_rss(url, big, tmp / "out-mem-big")
+            rss_small, n_small = _peak_rss(url, small, tmp / "out-mem-small")
+            rss_big, n_big = _peak_rss(url, big, tmp / "out-mem-big")
+            assert (n_small, n_big) == (mem_small, mem_big), (n_small, n_big)
             ratio = rss_big / rss_small
             rows.append(_row("peak_rss_ratio", ratio, "x", "<= 1.25", ratio <= 1.25,
                              f"{mem_big} prompts {rss_big:.0f} MiB vs {mem_small} prompts {rss_small:.0f} MiB"))

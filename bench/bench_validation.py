@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA  # noqa: E402
 from tasks.validation import validate_output  # noqa: E402
-from tests.test_validation_support import make_row  # noqa: E402
+from tests.support.outputs import make_row  # noqa: E402
 
 SHARD_ROWS = 10_000
 POOL = 2_000

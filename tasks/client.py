@@ -1,10 +1,15 @@
 """Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
 
-Transport: ``httpx.AsyncClient`` over ``httpx_aiohttp.AiohttpTransport`` by default. httpx is the
-project's client; its default transport (httpcore) costs several times more CPU per request than
-aiohttp's, and on a 2-core host the client must not steal the CPU the server's tokenizer needs.
-bench/bench_client.py measures all three choices (``"httpx"``, ``"httpx-aiohttp"``, ``"aiohttp"``,
-the last is raw aiohttp + orjson) against the emulator; the figures are in the README.
+Transport (measured by bench/bench_client.py against the emulator; figures in the README):
+
+- ``"httpx-aiohttp"`` (default): httpx is the project's client, so requests are ``httpx.Request``
+  objects and responses ``httpx.Response``, sent through ``httpx_aiohttp.AiohttpTransport``. They go
+  straight to the transport: ``AsyncClient.send`` re-parses and merges the URL, headers and cookies
+  on every request, which cost ~40% of the client's CPU per row at 2,000 rows/s and buys nothing
+  here (no redirects, cookies or auth flows; the API key is a fixed header).
+- ``"httpx"``: ``httpx.AsyncClient`` with its default transport (httpcore): about 10x slower per
+  request on 2 cores; kept for comparison.
+- ``"aiohttp"``: raw aiohttp + orjson, the fastest; kept for comparison and as a fallback.
 
 Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx
 (including SGLang's 503 "The request queue is full."), a 400 "Duplicate request ID" (a retry racing
@@ -193,6 +198,10 @@ class GenerateClient:
         self.stats = ClientStats()
         self._httpx: httpx.AsyncClient | None = None
         self._aiohttp: aiohttp.ClientSession | None = None
+        self._transport: httpx.AsyncBaseTransport | None = None
+        self._extensions: dict[str, Any] = {}
+        self._httpx_headers: httpx.Headers | None = None
+        self._urls: dict[str, httpx.URL] = {}
         self._headers = {"Content-Type": "application/json"}
         if self.config.api_key:
             self._headers["Authorization"] = f"Bearer {self.config.api_key}"
@@ -205,17 +214,19 @@ class GenerateClient:
                 timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s),
                 headers=self._headers,
             )
+        elif cfg.transport == "httpx-aiohttp":
+            from httpx_aiohttp import AiohttpTransport
+
+            limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+            self._transport = AiohttpTransport(limits=limits)
+            timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+            self._extensions = {"timeout": timeout.as_dict()}
+            self._httpx_headers = httpx.Headers(self._headers)
         else:
             limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
             timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-            transport: httpx.AsyncBaseTransport | None = None
-            if cfg.transport == "httpx-aiohttp":
-                from httpx_aiohttp import AiohttpTransport
-
-                transport = AiohttpTransport(limits=limits)
             self._httpx = httpx.AsyncClient(
-                base_url=self.base_url, limits=limits, timeout=timeout, transport=transport,
-                headers=self._headers, trust_env=False,
+                base_url=self.base_url, limits=limits, timeout=timeout, headers=self._headers, trust_env=False,
             )
         return self
 
@@ -223,6 +234,9 @@ class GenerateClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._transport is not None:
+            await self._transport.aclose()
+            self._transport = None
         if self._httpx is not None:
             await self._httpx.aclose()
             self._httpx = None
@@ -235,6 +249,17 @@ class GenerateClient:
     async def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         """One HTTP exchange. Raises ``_Transient`` for transport errors and timeouts."""
         try:
+            if self._transport is not None:
+                url = self._urls.get(path)
+                if url is None:  # parsing the URL on every request costs ~10% of the client's CPU
+                    url = self._urls[path] = httpx.URL(self.base_url + path)
+                request = httpx.Request(method, url, content=body,
+                                        headers=self._httpx_headers, extensions=self._extensions)
+                response = await self._transport.handle_async_request(request)
+                try:
+                    return response.status_code, await response.aread()
+                finally:
+                    await response.aclose()
             if self._aiohttp is not None:
                 async with self._aiohttp.request(method, self.base_url + path, data=body) as resp:
                     return resp.status, await resp.read()

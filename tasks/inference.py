@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime as dt
 import hashlib
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -479,10 +481,14 @@ async def run_dataset_async(
         from tasks.reasoning import parser_for_model
 
         reasoning_parser = parser_for_model(model_dir) if model_dir is not None else None
+    if reasoning_parser is not None:
+        from tasks.reasoning import tags_for
+
+        tags_for(reasoning_parser)  # ValueError naming the valid parsers, before any request
     template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
     started = time.monotonic()
     loop = asyncio.get_running_loop()
-    with out.ensure_locked(dict(run_info or {})):
+    with out.ensure_locked(_lock_info(run_info)):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=shard_size)
@@ -526,6 +532,19 @@ async def run_dataset_async(
     return result
 
 
+def _lock_info(run_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The lock body's extra fields; the Prefect flow run id when running inside one."""
+    info = dict(run_info or {})
+    if info.get("flow_run") is None and "prefect" in sys.modules:
+        try:
+            from prefect.runtime import flow_run
+
+            info["flow_run"] = flow_run.get_id()
+        except Exception:  # outside a flow run, or an older Prefect: the body just lacks it
+            info.pop("flow_run", None)
+    return info
+
+
 def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, dataset: str,
             started: float) -> None:
     result.requests = client.stats.requests
@@ -535,6 +554,9 @@ def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, datas
     entry = manifest["datasets"].get(dataset) or {}
     result.shards_committed = len(entry.get("shards", {}))
     result.complete = bool(entry.get("complete"))
+    if result.complete:
+        with contextlib.suppress(OSError):  # an empty journal folder is noise in a finished output
+            out.journal_path(dataset, 0).parent.rmdir()
     if entry.get("num_shards") is not None:
         result.shards_total = int(entry["num_shards"])
 
@@ -613,7 +635,7 @@ def run_inputs(
         model_dir = _model_dir_from_server(server_url, api_key)
     out = OutputDir(out_dir)
     results = []
-    with out.ensure_locked(dict(run_info or {})):
+    with out.ensure_locked(_lock_info(run_info)):
         for name, path in zip(names, paths, strict=True):
             results.append(run_dataset(
                 DatasetSpec(name, path), out_dir, server_url, model_dir=model_dir, shard_size=shard_size,

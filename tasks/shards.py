@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -736,8 +736,3 @@ def _index_of(name: str) -> int | None:
     m = re.match(r"^shard-(\d+)\.(parquet|jsonl)$", name)
     return int(m.group(1)) if m else None
 
-
-def _asdict(record: ShardRecord) -> dict[str, Any]:  # pragma: no cover - convenience for callers
-    d = asdict(record)
-    d["path"] = str(record.path)
-    return d

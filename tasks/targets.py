@@ -12,6 +12,13 @@ client-side timeout alone does not stop a remote command without a pty) and clos
 (``</dev/null``; fabric's ``in_stream=False`` sends no EOF). For ``pct://`` the inner command is
 quoted once more for ``pct exec CTID -- bash -lc``, and gets its own ``timeout`` inside the container.
 
+Environment values passed as ``env=`` never appear on a command line (``ps`` on the target shows
+every argv to every user, and sshd's ``AcceptEnv`` usually refuses client variables): the line runs
+``sh -c 'eval "$(cat)"; exec "$@" </dev/null' sh ARGV...`` and the SSH channel's stdin carries
+``export NAME='value'`` lines (quoted with `shlex.quote`, names checked), then EOF. The command
+itself still gets a closed stdin. ``start_detached`` uses the same path, so a server's secrets (API
+key) reach it only through its environment.
+
 Environment (read when a remote command runs):
   DATAGEN_SSH_KEY              private key file; when set, no agent and no ~/.ssh key search
   DATAGEN_SSH_KNOWN_HOSTS      known_hosts file; when set, unknown or changed host keys are refused.
@@ -21,7 +28,8 @@ Environment (read when a remote command runs):
                                through an ``env`` prefix on the target (inside the container for
                                pct). sshd does not accept arbitrary client environment, and
                                ``bash -lc`` resets PATH, so this is the one place that reliably sets
-                               e.g. PATH, DATAGEN_SIM_GPUS or DATAGEN_PYTHON remotely.
+                               e.g. PATH, DATAGEN_SIM_GPUS or DATAGEN_PYTHON remotely. It is on
+                               the remote command line: settings, never secrets (use ``env=``).
                                ``DATAGEN_PYTHON`` in it also names the remote Python (default python3).
 
 Errors:
@@ -33,6 +41,8 @@ timeout ended it, as coreutils' timeout reports).
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 import re
@@ -51,8 +61,11 @@ __all__ = [
     "run_command",
     "start_detached",
     "detached_exit_status",
+    "env_script",
+    "remote_command_line",
     "remote_env",
     "remote_python",
+    "ssh_command",
     "LOCAL",
 ]
 
@@ -194,26 +207,70 @@ def _connect_timeout() -> int:
 # --------------------------------------------------------------------------- command lines
 
 
-def _env_words(env: dict[str, str] | None) -> list[str]:
-    merged = {**remote_env(), **(env or {})}
-    for name in merged:
+def _env_words() -> list[str]:
+    """The ``env NAME=VALUE ...`` prefix for DATAGEN_REMOTE_ENV (settings, visible on the line)."""
+    settings = remote_env()
+    return ["env", *(f"{k}={v}" for k, v in settings.items())] if settings else []
+
+
+def env_script(env: dict[str, str] | None) -> str:
+    """The stdin payload that sets ``env`` on the remote side: one ``export NAME='value'`` line each.
+
+    Raises TargetError for a name that is not a shell variable name.
+    """
+    lines = []
+    for name, value in (env or {}).items():
         if not _ENV_NAME_RE.match(name):
             raise TargetError(f"bad environment variable name {name!r}")
-    return ["env", *(f"{k}={v}" for k, v in merged.items())] if merged else []
+        lines.append(f"export {name}={shlex.quote(value)}\n")
+    return "".join(lines)
+
+
+# Reads the export lines from stdin (to EOF), then runs the command with stdin closed. The values
+# live only in this shell's memory and the command's environment, never in an argv.
+_ENV_FROM_STDIN = 'eval "$(cat)"; exec "$@" </dev/null'
 
 
 def remote_command_line(target: Target, argv: list[str], timeout_s: float,
                         env: dict[str, str] | None = None) -> str:
-    """The exact shell line sent to the SSH host for ``argv`` (exposed for tests and logs)."""
+    """The exact shell line sent to the SSH host for ``argv`` (exposed for tests and logs).
+
+    With ``env`` the line reads it from stdin (see ``env_script``): no value of ``env`` is in it.
+    """
     if not argv:
         raise ValueError("empty command")
     secs = str(max(1, math.ceil(timeout_s)))
-    inner = shlex.join(["timeout", "-k", "5", secs, *_env_words(env), *argv])
+    if env:
+        env_script(env)  # validate the names before anything runs
+        argv = ["sh", "-c", _ENV_FROM_STDIN, "sh", *argv]
+    # Without env the command's stdin is closed right here; with it, the wrapper closes it.
+    stdin = "" if env else " </dev/null"
+    inner = shlex.join(["timeout", "-k", "5", secs, *_env_words(), *argv])
     if target.kind == "pct":
         outer = ["timeout", "-k", "5", str(int(secs) + 10), "pct", "exec", str(target.ctid), "--",
-                 "bash", "-lc", inner + " </dev/null"]
-        return shlex.join(outer) + " </dev/null"
-    return inner + " </dev/null"
+                 "bash", "-lc", inner + stdin]
+        return shlex.join(outer) + stdin
+    return inner + stdin
+
+
+def ssh_command(target: Target, *options: str) -> list[str]:
+    """An OpenSSH client argv (``ssh [options] -p PORT ... [user@]host``) for ``target`` that
+    authenticates as ``run_command`` does: DATAGEN_SSH_KEY, DATAGEN_SSH_KNOWN_HOSTS,
+    DATAGEN_SSH_CONNECT_TIMEOUT. Used for what paramiko does not do for us (port forwards).
+
+    Raises TargetError for a local target or a bad setting.
+    """
+    if target.is_local:
+        raise TargetError("ssh_command needs an ssh:// or pct:// target, not local")
+    argv = ["ssh", *options, "-p", str(target.port), "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={_connect_timeout()}"]
+    key = os.environ.get("DATAGEN_SSH_KEY")
+    if key:
+        argv += ["-i", key, "-o", "IdentitiesOnly=yes"]
+    known = os.environ.get("DATAGEN_SSH_KNOWN_HOSTS")
+    if known:
+        argv += ["-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes"]
+    return [*argv, f"{target.user}@{target.host}" if target.user else str(target.host)]
 
 
 def _connection(target: Target) -> Any:
@@ -248,9 +305,10 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
                 stdin_closed: bool = True) -> CommandResult:
     """Run ``argv`` on ``target`` and wait at most ``timeout_s`` for it.
 
-    ``env`` adds environment variables (locally: over ours; remotely: over DATAGEN_REMOTE_ENV).
-    stdin is always closed: commands here never read input (``stdin_closed`` exists for the
-    contract and must stay True). A command stopped by the timeout returns exited=124.
+    ``env`` adds environment variables (locally: over ours; remotely: over DATAGEN_REMOTE_ENV, sent
+    over the channel's stdin, never on a command line). The command's stdin is always closed:
+    commands here never read input (``stdin_closed`` exists for the contract and must stay True).
+    A command stopped by the timeout returns exited=124.
     Raises TargetError (bad target or settings), TargetUnreachable (cannot connect).
     """
     target = parse_target(target)
@@ -274,7 +332,10 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
     try:
         _open(conn, target)
         try:
-            res = conn.run(line, hide=True, warn=True, in_stream=False, timeout=timeout_s + 30)
+            # io.StringIO ends in EOF, which invoke turns into the channel's shutdown_write.
+            stdin = io.StringIO(env_script(env)) if env else False
+            res = conn.run(line, hide=True, warn=True, in_stream=stdin, echo_stdin=False,
+                           timeout=timeout_s + 30)
         except CommandTimedOut as exc:
             return CommandResult(TIMEOUT_EXIT, exc.result.stdout, exc.result.stderr)
         except (OSError, EOFError) as exc:
@@ -292,12 +353,13 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
 # Local detached children are kept so they can be reaped (no zombies, no ResourceWarning).
 _DETACHED: dict[int, subprocess.Popen[bytes]] = {}
 
+# Runs on the target with `env` already in its environment (sent over stdin by run_command).
 _SPAWN = (
-    "import json,os,subprocess,sys\n"
+    "import json,subprocess,sys\n"
     "a=json.loads(sys.argv[1])\n"
     "log=open(a['log'],'ab')\n"
     "p=subprocess.Popen(a['argv'],stdin=subprocess.DEVNULL,stdout=log,stderr=subprocess.STDOUT,"
-    "start_new_session=True,env={**os.environ,**a['env']})\n"
+    "start_new_session=True)\n"
     "print(p.pid)\n"
 )
 
@@ -306,12 +368,12 @@ def start_detached(target: Target | str, argv: list[str], log_path: str,
                    env: dict[str, str] | None = None) -> int:
     """Start ``argv`` on ``target`` as a new session leader (its pid is its process group id),
     stdout+stderr appended to ``log_path`` on the target, stdin closed. Returns its pid.
+    ``env`` is added to its environment; remotely it travels over stdin, so secrets may go there
+    (``argv`` and ``log_path`` are visible in the target's ``ps`` while the spawner runs).
 
     Raises TargetError, TargetUnreachable, OSError (local: cannot execute), RuntimeError (remote:
     the spawner failed; the message has its output).
     """
-    import json
-
     target = parse_target(target)
     if not argv:
         raise ValueError("empty command")
@@ -324,8 +386,8 @@ def start_detached(target: Target | str, argv: list[str], log_path: str,
             log.close()
         _DETACHED[proc.pid] = proc
         return proc.pid
-    spec = json.dumps({"argv": argv, "log": log_path, "env": env or {}})
-    res = run_command(target, [remote_python(target), "-c", _SPAWN, spec], timeout_s=60)
+    spec = json.dumps({"argv": argv, "log": log_path})
+    res = run_command(target, [remote_python(target), "-c", _SPAWN, spec], timeout_s=60, env=env)
     lines = res.stdout.strip().splitlines()
     if res.exited != 0 or not lines or not lines[-1].isdigit():
         raise RuntimeError(f"starting {shlex.join(argv)} on {target} failed (exit {res.exited}): "

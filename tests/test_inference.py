@@ -236,3 +236,30 @@ def test_second_concurrent_run_refused_first_unaffected(tmp_path, sim_gpus, emul
     assert first.returncode == 0, stderr.decode()[-2000:]
     assert orjson.loads(stdout.splitlines()[-1])["rows_generated"] == 150
     assert_exactly_once(out, ids)
+
+
+def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
+    """`datagen run --input ... --server-url ...` entry: model dir from /model_info, forced split."""
+    from tasks.inference import run_inputs
+
+    opened = "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
+    a.write_text(json.dumps({"id": "open", "prompt": opened}) + "\n" + json.dumps(
+        {"id": "plain", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"}]}) + "\n")
+    write_input(b, 3)
+    out = tmp_path / "out"
+    results = run_inputs([a, b], out, emulator.url, shard_size=2, sampling={"max_new_tokens": 200},
+                         client_config=FAST_CLIENT, run_info={"flow_run": "adhoc"})
+    assert [(r.dataset, r.rows_generated, r.complete) for r in results] == [("alpha", 2, True), ("beta", 3, True)]
+    rows = {r["id"]: r for rec in OutputDir(out).committed_shards("alpha") for r in pq.read_table(rec.path).to_pylist()}
+    row = rows["open"]
+    assert row["prompt"] == opened and row["messages"] == [] and row["think_in_prompt"] is True
+    assert not row["raw"].startswith("<think>") and row["reasoning"] is not None
+    if row["finish_reason"] == "stop":
+        assert row["reasoning"] + "</think>" + row["content"] == row["raw"]
+    plain = rows["plain"]
+    assert plain["messages"] == [{"role": "user", "content": "hi"}] and plain["think_in_prompt"] is False
+    assert plain["prompt"] == ChatTemplate.from_model_dir(DEMO_MODEL).render(plain["messages"])
+    assert sorted(committed_ids(out, "beta")) == ["q00000", "q00001", "q00002"]
+    with pytest.raises(ValueError, match="same dataset name"):
+        run_inputs([a, tmp_path / "alpha.parquet"], out, emulator.url)

@@ -65,12 +65,14 @@ def stack(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactor
     env.pop("DATAGEN_SIM_GPUS", None)  # the demo partition creates its own under the output
     up = subprocess.run([DATAGEN, "up", "--api-url", prefect_server.api_url], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=240)
+    api = Api(prefect_server.api_url)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"Prefect UI: {prefect_server.api_url.removesuffix('/api')}" in up.stdout
         worker = json.loads((base / "run" / "worker.pid").read_text())["pid"]
-        yield {"env": env, "base": base, "api": Api(prefect_server.api_url), "worker": worker}
+        yield {"env": env, "base": base, "api": api, "worker": worker}
     finally:
+        api.http.close()
         down = subprocess.run([DATAGEN, "down"], env=env, capture_output=True, text=True, timeout=60)
         assert "worker: pid" in down.stdout, down.stdout + down.stderr
         assert pid_alive(prefect_server.pid)  # `down` stops only what `up` started
@@ -122,9 +124,9 @@ def test_demo_deployment_completes_and_second_run_is_rejected(stack: dict[str, A
     try:
         runs: list[dict[str, Any]] = []
         deadline = time.monotonic() + 60
-        while not runs:  # the watched run, once it exists
-            body = {"flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "SCHEDULED"]}}}}
-            runs = api.http.post("/flow_runs/filter", json=body).json()
+        while not runs:  # the watched run, once it exists (not the nightly run `all` has scheduled)
+            runs = [r for r in api.http.post("/flow_runs/filter", json={}).json()
+                    if r["parameters"].get("out") == str(out)]
             assert time.monotonic() < deadline
             time.sleep(0.3)
         first = runs[0]["id"]

@@ -23,6 +23,7 @@ from tasks.tuner import (
 )
 from tests.fixtures.common import free_port, pid_alive
 
+REPO = Path(__file__).resolve().parent.parent
 DEMO = "data/models/demo"
 FAST = ("--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.05")
 
@@ -275,23 +276,28 @@ def test_weights_that_do_not_fit_stop_the_tuner_at_once(sim_gpus, started, tmp_p
     assert "use more GPUs (--tp-size)" in str(ei.value)
 
 
-@pytest.mark.slow
-def test_remote_ssh_launch_tunnel_and_stop(ssh_env, sim_gpus, started, tmp_path, monkeypatch):
+@pytest.fixture
+def remote(ssh_env, sim_gpus, monkeypatch):
+    """The sshd target (this host) with remote commands pointed at the emulator and simulated GPUs."""
     import shlex
     import sys
 
-    repo = Path(__file__).resolve().parent.parent
     env = {
-        "PATH": f"{repo / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PATH": f"{REPO / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
         "DATAGEN_SIM_GPUS": os.environ["DATAGEN_SIM_GPUS"],
         "DATAGEN_PYTHON": sys.executable,
     }
     monkeypatch.setenv("DATAGEN_REMOTE_ENV", " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
-    target = ssh_env.url()
-    cfg = ServerConfig(model_path=str(repo / DEMO), backend="emulator", port=free_port(), extra_args=FAST)
+    return ssh_env
+
+
+@pytest.mark.slow
+def test_remote_ssh_launch_tunnel_and_stop(remote, sim_gpus, started, tmp_path):
+    target = remote.url()
+    cfg = ServerConfig(model_path=str(REPO / DEMO), backend="emulator", port=free_port(), extra_args=FAST)
     h = launch(cfg, target, 0.88, str(tmp_path / "remote-logs"), deadline_s=30)
     started.append(h)
-    assert h.target == target and h._popen is None
+    assert h.target == target and h._popen is None and h.is_remote
     assert h.url != cfg.url and h.url.startswith("http://127.0.0.1:")  # through the SSH forward
     assert h.headroom_gib == pytest.approx(5.57, abs=0.05)
     assert h.is_alive() and pid_alive(h.pid)
@@ -300,3 +306,29 @@ def test_remote_ssh_launch_tunnel_and_stop(ssh_env, sim_gpus, started, tmp_path,
     assert report.verdict == "clean"
     assert not pid_alive(h.pid) and used_mib(sim_gpus) == [0] * 8
     assert h._tunnel is None
+
+
+@pytest.mark.slow
+def test_remote_launch_with_api_key_keeps_it_off_every_command_line(remote, sim_gpus, started, tmp_path):
+    from tasks.targets import run_command
+
+    secret = "sk-remote-datagen-7c41a9"
+    target = remote.url()
+    cfg = ServerConfig(model_path=str(REPO / DEMO), backend="emulator", port=free_port(), extra_args=FAST,
+                       api_key=secret)
+    h = launch(cfg, target, 0.88, str(tmp_path / "remote-logs"), deadline_s=30)
+    started.append(h)
+    assert h._popen is None and h.url != cfg.url
+    # `ps` on the target sees the server (bootstrap leader + emulator), but never the key
+    ps = run_command(target, ["ps", "-eo", "args"], 30).stdout
+    assert f"--port {cfg.port}" in ps and secret not in ps
+    log_text = Path(h.log_path).read_text()  # the target is this host: its log is readable here
+    assert "api_key=" in log_text and "***" in log_text and secret not in log_text
+    assert secret not in str(h.to_dict())
+    # ... and the server enforces it, through the tunnel
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(h.url + "/generate", json=body, timeout=10).status_code == 401
+    assert httpx.post(h.url + "/generate", json=body, headers={"Authorization": f"Bearer {secret}"},
+                      timeout=10).status_code == 200
+    assert stop_server(h, grace_s=5).verdict == "clean"
+    assert not pid_alive(h.pid) and used_mib(sim_gpus) == [0] * 8

@@ -250,9 +250,22 @@ def test_launch_failed_message_names_everything():
         assert part in text
 
 
-def test_remote_launch_with_api_key_is_refused(tmp_path):
-    from tasks.server import ServerError, launch
+def test_every_public_name_is_importable_from_tasks_server():
+    import tasks.server as server
+    import tasks.server_config as config
+    import tasks.server_log as server_log
 
-    cfg = ServerConfig(model_path="m", api_key="sk-x", backend="emulator")
-    with pytest.raises(ServerError, match="remote command line"):
-        launch(cfg, "ssh://u@127.0.0.1:1", 0.88, str(tmp_path), deadline_s=5)
+    for mod in (config, server_log):
+        missing = [n for n in mod.__all__ if n not in server.__all__ and not n.startswith(("explanation", "log_"))]
+        assert not missing, f"{mod.__name__} names not re-exported by tasks.server: {missing}"
+    assert all(hasattr(server, n) for n in server.__all__)
+    assert server.LaunchFailed is server_log.LaunchFailed and server.ServerConfig is config.ServerConfig
+    assert issubclass(server.LaunchFailed, server.ServerError)
+
+
+def test_log_file_names_differ_per_fraction_and_name_the_port():
+    from tasks.server_config import log_file_name
+
+    cfg = ServerConfig(model_path="m", port=31234)
+    a, b = log_file_name(cfg, 0.8), log_file_name(cfg, None)
+    assert a.startswith("server-31234-") and a.endswith("-f0.8.log") and b.endswith("-fdefault.log")

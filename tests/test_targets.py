@@ -19,6 +19,7 @@ from tasks.targets import (
     TargetError,
     TargetUnreachable,
     detached_exit_status,
+    env_script,
     parse_target,
     remote_command_line,
     run_command,
@@ -70,6 +71,21 @@ def test_remote_command_lines_are_quoted_with_timeout_and_closed_stdin(monkeypat
     monkeypatch.setenv("DATAGEN_REMOTE_ENV", "1BAD=x")
     with pytest.raises(TargetError, match="1BAD=x"):
         remote_command_line(parse_target("ssh://h"), ["true"], 1)
+
+
+def test_env_values_are_never_on_the_remote_command_line(monkeypatch):
+    monkeypatch.setenv("DATAGEN_REMOTE_ENV", "B=1")
+    env = {"SECRET_KEY": "sk-'v;$(x)\nnext"}
+    for target in ("ssh://h", "pct://h/101"):
+        line = remote_command_line(parse_target(target), ["echo", "a"], 5, env=env)
+        assert "sk-" not in line and "SECRET_KEY" not in line
+        assert "env B=1 sh -c " in line and line.endswith("sh echo a" if target == "ssh://h" else "a'")
+    assert remote_command_line(parse_target("ssh://h"), ["true"], 5, env={}).endswith(" </dev/null")
+    # the stdin payload round-trips any value through sh literally
+    script = env_script(env) + 'printf %s "$SECRET_KEY"'
+    assert run_command("local", ["sh", "-c", script], 5).stdout == env["SECRET_KEY"]
+    with pytest.raises(TargetError, match="'1X'"):
+        remote_command_line(parse_target("ssh://h"), ["true"], 5, env={"1X": "y"})
 
 
 def test_local_run_command_and_timeout(tmp_path):
@@ -183,12 +199,26 @@ def test_remote_cli_dry_run_json_and_missing_python(remote, holders, capsys, mon
     assert f"GPU probe on {remote.url()} failed" in err and "(exit 127)" in err
 
 
+@pytest.mark.parametrize("kind", ["ssh", "pct"])
+def test_remote_env_travels_over_stdin_not_argv(remote, kind):
+    secret = "sk-targets-91be 'q' $(x)"
+    env = {"DATAGEN_T_SECRET": secret}
+    res = run_command(remote.url(kind, 7), ["sh", "-c", 'printf %s "$DATAGEN_T_SECRET"; cat'], 20, env=env)
+    assert (res.exited, res.stdout) == (0, secret), res.stderr
+    # `ps` run by the command itself sees every ancestor (sshd session, timeout, sh) while it runs
+    res = run_command(remote.url(kind, 7), ["ps", "-eo", "args"], 20, env=env)
+    assert res.exited == 0 and "ps -eo args" in res.stdout
+    assert "sk-targets" not in res.stdout
+
+
 def test_start_detached_remote(remote, tmp_path, reap_pids):
     log = tmp_path / "remote.log"
-    pid = start_detached(remote.url(), ["sh", "-c", "echo hi; sleep 30"], str(log), env={"X": "1"})
+    secret = "sk-detached-33a1"
+    pid = start_detached(remote.url(), ["sh", "-c", 'echo "hi $X"; sleep 30'], str(log), env={"X": secret})
     reap_pids.append(pid)
     assert os.getsid(pid) == pid
     deadline = time.monotonic() + 10
-    while (not log.exists() or log.read_text() != "hi\n") and time.monotonic() < deadline:
+    while (not log.exists() or not log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert log.read_text() == "hi\n"
+    assert log.read_text() == f"hi {secret}\n"
+    assert secret not in run_command("local", ["ps", "-eo", "args"], 10).stdout

@@ -25,7 +25,7 @@ from tasks.validation import (
     validate_shard,
     validate_table,
 )
-from tests.test_validation_support import clean_output, clean_rows, make_row, write_output
+from tests.support.outputs import clean_output, clean_rows, make_row, write_output
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,612 @@
+"""Chaos run: N rounds of `datagen run` on the emulator, each with a random fault, then reruns
+until complete; after each round nothing may be lost, duplicated or left behind.
+
+    python bench/chaos.py --rounds N [--seed S] [--round K] [--faults a,b,...] [--quick] [--keep]
+                          [--work-dir DIR] [--json PATH]
+
+Fault matrix (one per round; the order is a seeded shuffle of the matrix, repeated, so 9+ rounds
+cover every fault):
+
+- ``kill9``        SIGKILL of the `datagen run` process at a random moment (start-up, launch, or
+                   after a random number of finished rows); the server it started is left running
+- ``server_crash`` ``--emu-crash-after N``: the scheduler raises, the server dies (-9)
+- ``runtime_oom``  ``mem_fraction_static = 0.93`` on the demo profile, concurrency 64, long prompts:
+                   a prefill batch runs out of headroom (torch OOM) and the tuner must step down
+- ``hang``         ``--emu-hang-after N``: nothing answers any more; the hang watchdog must fire
+- ``http_503``     ``--emu-503-rate R``: bursts of "queue is full" answers the client must retry
+- ``orphan``       ``--emu-orphan-on-crash`` + crash: a scheduler survives holding GPU memory
+- ``stale_holder`` `datagen gpu-sim hold --ignore-sigterm` (with children) on a GPU of the server
+                   before the run: hygiene must SIGKILL it
+- ``disk_full``    the output directory is a small tmpfs (``mount -t tmpfs``; root only) that fills
+                   during shard writes; it is then grown (the operator frees space) and rerun
+- ``malformed``    ~10% malformed input rows (bad JSON, no user turn, bad role, duplicate id, ...)
+
+Every round also has 1-3 malformed rows. The fault's run may fail (exit 1) or be killed; the same
+partition is then rerun (at most ``--max-reruns``) until `datagen run` exits 0. Checks per round:
+every valid input id exactly once in the committed Parquet, exactly the malformed lines in
+``_rejects``, `datagen validate OUT` exits 0, no process of the round alive (every process the
+round started carries ``DATAGEN_CHAOS_TAG=<token>`` in its environment; leftovers are found by that
+exact token and then killed by pid), simulated GPU memory all released.
+
+Replay: the parameters of round K depend only on (seed, K): ``--seed S --round K`` reruns it.
+All rounds share one Prefect server (started here, stopped by pid at the end), as under `datagen up`.
+
+Exit codes: 0 every round passed; 1 a round lost or duplicated a row, failed validation, did not
+complete, or left a process or GPU memory behind; 2 usage error or the harness could not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pyarrow.parquet as pq
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
+
+FAULTS = ("kill9", "server_crash", "runtime_oom", "hang", "http_503", "orphan", "stale_holder",
+          "disk_full", "malformed")
+TAG_ENV = "DATAGEN_CHAOS_TAG"
+VENV_BIN = Path(sys.executable).parent
+DATAGEN = str(VENV_BIN / "datagen") if (VENV_BIN / "datagen").exists() else "datagen"
+MODEL_DIR = ROOT / "data" / "models" / "demo"
+# Fast emulator timings: the point is the fault handling, not the model's speed.
+FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.1",
+            "--emu-output-tokens", "24", "--emu-decode-ms-per-step", "1", "--emu-health-timeout", "1"]
+WORDS = ("alpha beta gamma delta graph cache shard token prefill decode parquet schema journal "
+         "tensor kernel queue batch model server commit flush rename lock socket thread").split()
+
+
+# --- round plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Everything random about a round, drawn from (seed, round) only."""
+
+    round: int
+    fault: str
+    datasets: dict[str, int]  # name -> valid rows
+    malformed: int  # malformed rows per dataset
+    shard_size: int
+    concurrency: int
+    prompt_words: tuple[int, int]
+    extra_args: list[str] = field(default_factory=list)
+    mem_fraction: float | None = None
+    kill_at_rows: int | None = None  # kill9: after this many rows are done, else at kill_at_s
+    kill_at_s: float | None = None
+    holder: dict[str, int] | None = None
+    tmpfs_kib: int | None = None
+    data_seed: int = 0
+
+    def describe(self) -> str:
+        bits: list[str] = []
+        emu = [a for a in self.extra_args if a.startswith("--emu-") and a not in FAST_EMU]
+        for i, a in enumerate(self.extra_args):
+            if a in emu and a not in ("--emu-orphan-on-crash",):
+                bits.append(f"{a.removeprefix('--emu-')}={self.extra_args[i + 1]}")
+            elif a == "--emu-orphan-on-crash":
+                bits.append("orphan-on-crash")
+        if self.mem_fraction is not None:
+            bits.append(f"fraction={self.mem_fraction}")
+        if self.kill_at_rows is not None:
+            bits.append(f"kill@{self.kill_at_rows}rows")
+        if self.kill_at_s is not None:
+            bits.append(f"kill@{self.kill_at_s:.1f}s")
+        if self.holder:
+            bits.append(f"hold gpu{self.holder['gpu']} {self.holder['mib']}MiB +{self.holder['children']}ch")
+        if self.tmpfs_kib:
+            bits.append(f"tmpfs={self.tmpfs_kib}KiB")
+        if self.fault == "malformed":
+            bits.append(f"malformed={self.malformed}/ds")
+        return " ".join(bits)
+
+
+def fault_order(seed: int) -> list[str]:
+    order = list(FAULTS)
+    random.Random(f"chaos-order:{seed}").shuffle(order)
+    return order
+
+
+def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan:
+    rng = random.Random(f"chaos:{seed}:{k}")
+    order = [f for f in fault_order(seed) if not faults or f in faults]
+    if faults:  # keep the caller's order so a short run covers what it asked for
+        order = [f for f in faults if f in FAULTS]
+    fault = order[k % len(order)]
+    n_ds = 1 if quick else rng.choice((1, 2))
+    lo, hi = (60, 120) if quick else (120, 260)
+    datasets = {f"ds{i}": rng.randint(lo, hi) for i in range(n_ds)}
+    total = sum(datasets.values())
+    p = Plan(round=k, fault=fault, datasets=datasets, malformed=rng.randint(1, 3),
+             shard_size=rng.choice((20, 25, 40, 50)), concurrency=rng.choice((8, 16, 32)),
+             prompt_words=(4, 30), extra_args=list(FAST_EMU), data_seed=rng.randrange(1 << 30))
+    if fault == "kill9":
+        if rng.random() < 0.25:
+            p.kill_at_s = rng.uniform(0.5, 8.0)  # anywhere from Python start-up to mid-run
+        else:
+            p.kill_at_rows = rng.randint(1, max(1, total - 1))
+    elif fault == "server_crash":
+        p.extra_args += ["--emu-crash-after", str(rng.randint(10, max(11, total // 2)))]
+    elif fault == "runtime_oom":
+        p.mem_fraction = 0.93
+        p.concurrency = 64
+        p.prompt_words = (60, 120)  # 64 prompts of 100+ tokens: a 2,048+ token prefill batch
+    elif fault == "hang":
+        p.extra_args += ["--emu-hang-after", str(rng.randint(10, max(11, total - 10)))]
+    elif fault == "http_503":
+        p.extra_args += ["--emu-503-rate", f"{rng.uniform(0.05, 0.3):.2f}", "--emu-seed", str(rng.randrange(1000))]
+    elif fault == "orphan":
+        p.extra_args += ["--emu-orphan-on-crash", "--emu-crash-after", str(rng.randint(10, max(11, total // 2)))]
+    elif fault == "stale_holder":
+        p.holder = {"gpu": rng.choice((0, 1)), "mib": rng.choice((20000, 50000, 90000)),
+                    "children": rng.randint(0, 2)}
+    elif fault == "disk_full":
+        p.tmpfs_kib = rng.choice((48, 64, 96, 128))
+    elif fault == "malformed":
+        p.malformed = max(3, total // 10 // n_ds)
+    return p
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def _malformed_line(i: int, rng: random.Random, valid_id: str) -> str:
+    kinds = [
+        lambda: '{"id": "bad-json-%d", "messages": [' % i,
+        lambda: json.dumps({"id": f"no-user-{i}", "messages": [{"role": "system", "content": "x"}]}),
+        lambda: json.dumps({"id": f"bad-role-{i}", "messages": [{"role": "wizard", "content": "hi"}]}),
+        lambda: json.dumps({"id": f"empty-{i}", "messages": [{"role": "user", "content": "   "}]}),
+        lambda: json.dumps({"id": f"not-list-{i}", "messages": "hello"}),
+        lambda: json.dumps({"id": True, "messages": [{"role": "user", "content": "bool id"}]}),
+        lambda: json.dumps({"id": f"nothing-{i}"}),
+        lambda: json.dumps({"id": valid_id, "messages": [{"role": "user", "content": "duplicate id"}]}),
+        lambda: "[1, 2, 3]",
+    ]
+    return rng.choice(kinds)()
+
+
+def write_dataset(path: Path, name: str, plan: Plan, rows: int) -> tuple[set[str], set[int]]:
+    """Write ``rows`` valid rows plus ``plan.malformed`` malformed ones at random lines.
+    Returns (valid ids, 1-based line numbers of the malformed rows)."""
+    rng = random.Random(f"{plan.data_seed}:{name}")
+    total = rows + plan.malformed
+    bad_lines = set(rng.sample(range(2, total + 1), plan.malformed))  # line 1 is always valid
+    ids: list[str] = []
+    lines: list[str] = []
+    for line in range(1, total + 1):
+        if line in bad_lines:
+            lines.append(_malformed_line(line, rng, rng.choice(ids)))
+            continue
+        rid = f"r{plan.round}-{name}-{len(ids):05d}"
+        ids.append(rid)
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*plan.prompt_words)))
+        lines.append(json.dumps({"id": rid, "messages": [{"role": "user", "content": f"{text} #{rid}"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return set(ids), bad_lines
+
+
+def write_partition(path: Path, plan: Plan, datasets: dict[str, Path], out: Path) -> None:
+    ds = "\n".join(f'{name} = "{p}"' for name, p in datasets.items())
+    extra = ", ".join(json.dumps(a) for a in plan.extra_args)
+    frac = f"mem_fraction_static = {plan.mem_fraction}\n" if plan.mem_fraction is not None else ""
+    path.write_text(f"""name = "chaos{plan.round}"
+[datasets]
+{ds}
+[model]
+path = "{MODEL_DIR}"
+reasoning_parser = "qwen3"
+[server]
+backend = "emulator"
+targets = ["local"]
+tp_size = 2
+port = 0
+launch_deadline_s = 60
+{frac}extra_args = [{extra}]
+[run]
+shard_size = {plan.shard_size}
+concurrency = {plan.concurrency}
+max_relaunches = 3
+hygiene_grace_s = 1
+hang_timeout_s = 3
+[sampling]
+max_new_tokens = 256
+[output]
+root = "{out}"
+""")
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``DATAGEN_CHAOS_TAG=tag``."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(TAG_ENV) == tag:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def describe_pid(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        return f"{pid} {' '.join(p.cmdline())[:80] or p.name()}"
+    except psutil.NoSuchProcess:
+        return f"{pid} (gone)"
+
+
+def kill_pids(pids: list[int]) -> None:
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p = psutil.Process(pid)
+            p.send_signal(signal.SIGKILL)
+            procs.append(p)
+    psutil.wait_procs(procs, timeout=5)
+
+
+class PrefectApi:
+    """One `prefect server start` for all rounds (own session; stopped by pid)."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, deadline_s: float = 90.0) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                   DO_NOT_TRACK="1", PREFECT_API_URL=self.url)
+        prefect = str(VENV_BIN / "prefect") if (VENV_BIN / "prefect").exists() else "prefect"
+        log = open(self.home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited {self.proc.returncode}; see {self.home}/server.log")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.25)
+        raise RuntimeError(f"prefect server not healthy within {deadline_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)
+
+
+# --- a round -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundResult:
+    round: int
+    fault: str
+    params: str
+    runs: list[str] = field(default_factory=list)  # exit status of each `datagen run`
+    rows: int = 0
+    expected: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    unexpected: int = 0
+    rejects: int = 0
+    rejects_expected: int = 0
+    validate_rc: int | None = None
+    leftovers: list[str] = field(default_factory=list)
+    gpu_mib_left: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (not self.errors and self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
+                and self.rejects == self.rejects_expected and self.validate_rc == 0 and not self.leftovers
+                and self.gpu_mib_left == 0)
+
+
+def _done_rows(out: Path) -> int:
+    """Rows finished so far: committed shard rows (manifest) + journaled records."""
+    n = 0
+    with contextlib.suppress(OSError, ValueError):
+        man = json.loads((out / "_manifest.json").read_text())
+        for d in man.get("datasets", {}).values():
+            n += sum(int(s.get("rows", 0)) for s in d.get("shards", {}).values())
+    for j in (out / "_journal").glob("*/*.jsonl") if (out / "_journal").is_dir() else []:
+        with contextlib.suppress(OSError):
+            n += j.read_bytes().count(b"\n")
+    return n
+
+
+def _run_datagen(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float, plan: Plan | None,
+                 out: Path) -> str:
+    """One `datagen run`; with a kill plan, SIGKILL it at the planned moment. Returns the status."""
+    with open(log, "ab") as fh:
+        fh.write(f"\n=== {' '.join(cmd)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        start = time.monotonic()
+        try:
+            while proc.poll() is None:
+                elapsed = time.monotonic() - start
+                if plan is not None and (
+                        (plan.kill_at_s is not None and elapsed >= plan.kill_at_s)
+                        or (plan.kill_at_rows is not None and _done_rows(out) >= plan.kill_at_rows)):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return f"killed@{elapsed:.1f}s"
+                if elapsed > timeout_s:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return "timeout"
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return str(proc.returncode)
+
+
+def _start_holder(spec: dict[str, int], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    cmd = [DATAGEN, "gpu-sim", "hold", "--gpu", str(spec["gpu"]), "--mib", str(spec["mib"]),
+           "--ignore-sigterm", "--children", str(spec["children"]), "--child-mib", "1024"]
+    fh = open(log, "wb")  # noqa: SIM115 - closed by the caller via proc.wait
+    proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:  # wait until it holds (it prints a line then)
+        if log.read_text().startswith("holding"):
+            return proc
+        if proc.poll() is not None:
+            raise RuntimeError(f"gpu-sim hold exited {proc.returncode}: {log.read_text()[-300:]}")
+        time.sleep(0.05)
+    raise RuntimeError("gpu-sim hold did not start holding within 20 s")
+
+
+def _check_output(res: RoundResult, out: Path, ids: dict[str, set[str]], bad: dict[str, set[int]]) -> None:
+    for name, valid in ids.items():
+        seen: Counter[str] = Counter()
+        for f in sorted((out / name).glob("shard-*.parquet")):
+            seen.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+        res.rows += sum(seen.values())
+        res.expected += len(valid)
+        res.lost += len(valid - seen.keys())
+        res.duplicated += sum(c - 1 for c in seen.values() if c > 1)
+        res.unexpected += len(seen.keys() - valid)
+        rej_path = out / "_rejects" / f"{name}.jsonl"
+        lines: list[int] = []
+        if rej_path.exists():
+            for raw in rej_path.read_text().splitlines():
+                if raw.strip():
+                    lines.append(int(json.loads(raw).get("line", -1)))
+        res.rejects += len(lines)
+        res.rejects_expected += len(bad[name])
+        if sorted(lines) != sorted(bad[name]):
+            res.errors.append(f"{name}: reject lines {sorted(lines)} != malformed lines {sorted(bad[name])}")
+
+
+def _sim_used_mib(sim_path: Path) -> int:
+    snap = SimGpus(sim_path).snapshot()
+    return sum(int(g.get("used_mib", 0)) for g in snap["gpus"])
+
+
+def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_timeout_s: float) -> RoundResult:
+    t0 = time.monotonic()
+    res = RoundResult(plan.round, plan.fault, plan.describe())
+    rdir = work / f"round-{plan.round:03d}"
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    rdir.mkdir(parents=True)
+    out = rdir / "out"
+    out.mkdir()
+    mounted = False
+    holder: subprocess.Popen[bytes] | None = None
+    tag = f"chaos-{plan.round}-{uuid.uuid4().hex[:12]}"
+    sim_path = rdir / "sim-gpus.json"
+    SimGpus.init(sim_path, count=8)
+    env = dict(os.environ, **{ENV_VAR: str(sim_path), TAG_ENV: tag, "DATAGEN_STATE_DIR": str(rdir / "state"),
+                              "PREFECT_API_URL": api.url, "PREFECT_HOME": str(api.home),
+                              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                              "DATAGEN_RUN_DIR": str(rdir / "run"),
+                              "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
+    try:
+        ids: dict[str, set[str]] = {}
+        bad: dict[str, set[int]] = {}
+        paths: dict[str, Path] = {}
+        for name, n in plan.datasets.items():
+            paths[name] = rdir / f"{name}.jsonl"
+            ids[name], bad[name] = write_dataset(paths[name], name, plan, n)
+        part = rdir / "partition.toml"
+        write_partition(part, plan, paths, out)
+        if plan.tmpfs_kib:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={plan.tmpfs_kib}k", "chaos-tmpfs", str(out)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                res.errors.append(f"mount tmpfs failed ({r.stderr.strip()}): disk_full needs root")
+                return res
+            mounted = True
+        if plan.holder:
+            holder = _start_holder(plan.holder, env, rdir / "holder.log")
+        cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+        log = rdir / "run.log"
+        status = _run_datagen(cmd, env, log, run_timeout_s, plan if plan.fault == "kill9" else None, out)
+        res.runs.append(status)
+        if mounted:  # the operator frees space: grow the filesystem in place
+            subprocess.run(["mount", "-o", "remount,size=256m", str(out)], check=True)
+        reruns = 0
+        while status != "0" and reruns < max_reruns:
+            reruns += 1
+            status = _run_datagen(cmd, env, log, run_timeout_s, None, out)
+            res.runs.append(status)
+        if status != "0":
+            res.errors.append(f"did not complete after {reruns} rerun(s) (see {log})")
+        _check_output(res, out, ids, bad)
+        v = subprocess.run([DATAGEN, "validate", str(out)], env=env, capture_output=True, text=True, cwd=ROOT)
+        res.validate_rc = v.returncode
+        if v.returncode != 0:
+            (rdir / "validate.log").write_text(v.stdout + v.stderr)
+        if holder is not None:
+            # hygiene must have SIGKILLed it (it ignores SIGTERM); reap our child so it is not a zombie
+            try:
+                holder.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        # Processes and GPU memory: poll briefly (a just-killed process is reaped asynchronously).
+        end = time.monotonic() + 5
+        left = tagged_pids(tag)
+        used = _sim_used_mib(sim_path)
+        while (left or used) and time.monotonic() < end:
+            time.sleep(0.1)
+            left, used = tagged_pids(tag), _sim_used_mib(sim_path)
+        res.leftovers = [describe_pid(p) for p in left]
+        res.gpu_mib_left = used
+        kill_pids(left)
+    except Exception as exc:  # a harness error fails the round, it does not end the chaos run
+        res.errors.append(f"harness: {type(exc).__name__}: {exc}")
+        kill_pids(tagged_pids(tag))
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        if mounted:
+            subprocess.run(["umount", "-l", str(out)], capture_output=True)
+        res.seconds = time.monotonic() - t0
+    return res
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def print_table(results: list[RoundResult]) -> None:
+    header = ("round", "fault", "params", "runs", "rows", "lost", "dup", "rejects", "validate", "left", "gpuMiB",
+              "s", "ok")
+    rows = [header] + [
+        (str(r.round), r.fault, r.params, ",".join(r.runs), f"{r.rows}/{r.expected}", str(r.lost), str(r.duplicated),
+         f"{r.rejects}/{r.rejects_expected}", str(r.validate_rc), str(len(r.leftovers)), str(r.gpu_mib_left),
+         f"{r.seconds:.0f}", "yes" if r.ok else "NO")
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for r in results:
+        for e in r.errors + [f"leftover process {x}" for x in r.leftovers]:
+            print(f"round {r.round} ({r.fault}): {e}")
+    by_fault: dict[str, list[bool]] = {}
+    for r in results:
+        by_fault.setdefault(r.fault, []).append(r.ok)
+    print("\nper fault: " + ", ".join(f"{f} {sum(v)}/{len(v)}" for f, v in sorted(by_fault.items())))
+    print(f"lost rows {sum(r.lost for r in results)}, duplicated rows {sum(r.duplicated for r in results)}, "
+          f"leftover processes {sum(len(r.leftovers) for r in results)}, "
+          f"GPU MiB left {sum(r.gpu_mib_left for r in results)}; "
+          f"{sum(r.ok for r in results)}/{len(results)} rounds passed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--round", type=int, action="append", dest="only",
+                    help="run only this round (replay); repeatable")
+    ap.add_argument("--faults", help=f"comma-separated subset of {','.join(FAULTS)} (in this order)")
+    ap.add_argument("--quick", action="store_true", help="smaller datasets")
+    ap.add_argument("--max-reruns", type=int, default=4)
+    ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds per `datagen run`")
+    ap.add_argument("--work-dir", help="keep round directories here (default: a temp dir, removed)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    faults = [f.strip() for f in args.faults.split(",")] if args.faults else None
+    if faults and (unknown := set(faults) - set(FAULTS)):
+        ap.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    rounds = args.only if args.only else list(range(args.rounds))
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="datagen-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"chaos: seed {args.seed}, rounds {rounds if args.only else len(rounds)}, work dir {work}", flush=True)
+    (work / "prefect").mkdir(exist_ok=True)
+    api = PrefectApi(work / "prefect")
+    results: list[RoundResult] = []
+    try:
+        try:
+            api.start()
+        except RuntimeError as exc:
+            print(f"chaos: {exc}", file=sys.stderr)
+            return 2
+        for k in rounds:
+            plan = plan_round(args.seed, k, faults, args.quick)
+            print(f"-- round {k}: {plan.fault} {plan.describe()} rows {plan.datasets} shard {plan.shard_size} "
+                  f"conc {plan.concurrency}", flush=True)
+            r = run_round(plan, work, api, args.max_reruns, args.run_timeout)
+            results.append(r)
+            print(f"   runs {','.join(r.runs)} rows {r.rows}/{r.expected} lost {r.lost} dup {r.duplicated} "
+                  f"rejects {r.rejects}/{r.rejects_expected} validate {r.validate_rc} left {len(r.leftovers)} "
+                  f"gpu {r.gpu_mib_left} MiB {r.seconds:.0f}s {'ok' if r.ok else 'FAILED'}"
+                  + "".join(f"\n   ! {e}" for e in r.errors), flush=True)
+    finally:
+        api.stop()
+    print()
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seed": args.seed, "rounds": [dict(asdict(r), ok=r.ok) for r in results]},
+                                              indent=2) + "\n")
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print(f"\nreplay a failing round: python bench/chaos.py --seed {args.seed} --round {failed[0].round}"
+              + (f" --faults {args.faults}" if args.faults else "") + (" --quick" if args.quick else "")
+              + f" --work-dir DIR (kept: {work})", file=sys.stderr)
+    elif not args.work_dir and not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""What a server's log says: the failure classifier and the startup-progress parser.
+
+``classify_failure`` (re-exported by tasks.tuner) reads the log text and exit status of a failed
+launch; ``parse_progress`` folds SGLang's startup lines into a ``StartupProgress``. Both accept the
+old and new line forms of shared/reference/sglang.md and never raise.
+
+Errors: ``LaunchFailed`` (a ServerError) carries the classified ``Failure``, the log tail, the exit
+status, the command and the log path of a launch that did not become ready.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from tasks.server_config import ServerError, format_fraction
+
+__all__ = [
+    "Failure",
+    "FailureKind",
+    "LaunchFailed",
+    "StartupProgress",
+    "classify_failure",
+    "effective_fraction",
+    "explanation",
+    "log_tail",
+    "parse_progress",
+]
+
+FailureKind = Literal[
+    "too_high", "too_low", "host_memory", "port_in_use", "bad_flag", "model_not_found", "weights_too_big",
+    "timeout", "unknown",
+]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a launch (or a running server) failed: a kind, a one-line explanation, the evidence line."""
+
+    kind: FailureKind
+    explanation: str
+    evidence: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+# Checked in this order: the first kind whose pattern matches any line wins. Specific causes come
+# before the OOM family because an OOM can be a consequence (e.g. a port clash never is).
+_RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
+    ("port_in_use", re.compile(r"address already in use|\[Errno 98\]", re.I),
+     "the port is taken by another process: stop it or choose another --port"),
+    ("bad_flag", re.compile(r"error: (unrecognized arguments|argument |the following arguments are required)"),
+     "SGLang rejected a command-line flag: fix or remove it in the server config (extra_args)"),
+    ("model_not_found", re.compile(
+        r"Repository Not Found|RepositoryNotFoundError|HFValidationError|LocalEntryNotFoundError|"
+        r"is not a local folder and is not a valid model identifier|"
+        r"does not appear to have a file named config\.json|Can't load the configuration of|"
+        r"No such file or directory: .*(config\.json|model)", re.I),
+     "the model path does not exist or is not a model directory on the target: check model_path"),
+    ("host_memory", re.compile(r"Not enough host memory available"),
+     "not enough host RAM for the hierarchical cache: lower --hicache-size/--hicache-ratio or free RAM"),
+    ("too_low", re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static"),
+     "the KV cache pool does not fit in the static memory: raise --mem-fraction-static"),
+    ("too_high", re.compile(
+        r"Capture cuda graph failed|CUDA out of memory|OutOfMemoryError|Prefill out of memory|"
+        r"Decode out of memory|CUDA error: out of memory", re.I),
+     "too little GPU memory left for CUDA graphs and activations: lower --mem-fraction-static"),
+]
+
+
+def explanation(kind: FailureKind) -> str:
+    """The one-line advice for ``kind`` (as classify_failure gives it); "" for kinds without a rule."""
+    return next((text for k, _, text in _RULES if k == kind), "")
+
+
+def log_tail(text: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of ``text`` (what a LaunchFailed carries)."""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def classify_failure(log_text: str, exit_status: int | None) -> Failure:
+    """Classify a failed server from its log text and exit status (None when unknown).
+
+    Exit status 2 without a recognisable line is still an argparse error (SGLang's usage errors).
+    A CUDA OOM while weights load is "weights_too_big" (not fixed by any fraction). Never raises.
+    """
+    lines = log_text.splitlines()
+    for kind, pattern, advice in _RULES:
+        for i, line in enumerate(lines):
+            if pattern.search(line):
+                if kind == "too_high" and _loading_weights(lines[:i]):
+                    # Weights load before the static pool is sized: no fraction changes this.
+                    return Failure("weights_too_big", _WEIGHTS_EXPLANATION, line.strip()[:500])
+                return Failure(kind, advice, line.strip()[:500])
+    if exit_status == 2:
+        evidence = next((ln for ln in reversed(lines) if "error" in ln.lower()), "")
+        return Failure("bad_flag", explanation("bad_flag"), evidence.strip()[:500])
+    evidence = next((ln for ln in reversed(lines) if _ERRORISH.search(ln)), "")
+    status = "unknown" if exit_status is None else str(exit_status)
+    return Failure("unknown", f"the server stopped (exit status {status}) for a reason not recognised: "
+                   "read the log tail", evidence.strip()[:500])
+
+
+_WEIGHTS_EXPLANATION = ("the model weights do not fit in GPU memory (OOM while loading weights, before "
+                        "--mem-fraction-static applies): use more GPUs (--tp-size) or a smaller/quantized model")
+
+
+def _loading_weights(before: list[str]) -> bool:
+    """Whether the log before an OOM shows weight loading begun and not finished."""
+    began = any("Load weight begin" in ln for ln in before)
+    return began and not any("Load weight end" in ln for ln in before)
+
+
+_ERRORISH = re.compile(r"Error|error:|Exception|Traceback|failed|Killed", re.I)
+
+
+def effective_fraction(log_text: str) -> float | None:
+    """The --mem-fraction-static SGLang actually used, when its log says (server_args or error line)."""
+    found = re.findall(r"mem_fraction_static=([0-9.]+)", log_text)
+    try:
+        return float(found[-1].rstrip(".")) if found else None
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Startup progress
+
+
+@dataclass
+class StartupProgress:
+    """What SGLang's startup lines said so far. Memory in GiB as SGLang prints it ("GB")."""
+
+    phase: str = "starting"  # starting, weights_loaded, kv_cache, cuda_graph, http_up, ready
+    weights_gib: float | None = None
+    avail_after_weights_gib: float | None = None
+    kv_tokens: int | None = None
+    max_total_num_tokens: int | None = None
+    headroom_gib: float | None = None  # avail mem after graph capture, lowest rank
+    ranks_reported: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_RANK = re.compile(r"\bTP(\d+)\]")
+_P_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB, mem usage=([0-9.]+) GB")
+_P_KV = re.compile(r"KV Cache is allocated\..*?#tokens: (\d+)")
+_P_GRAPH_BEGIN = re.compile(r"Capture (?:target decode )?cuda graph begin", re.I)
+_P_GRAPH_END = re.compile(r"Capture (?:target decode )?cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
+_P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_gpu_mem=([0-9.]+) GB")
+_P_HTTP = re.compile(r"Uvicorn running on")
+_P_READY = re.compile(r"The server is fired up and ready to roll")
+
+
+def parse_progress(text: str, progress: StartupProgress | None = None) -> StartupProgress:
+    """Fold SGLang startup log ``text`` into ``progress`` (a new one when None) and return it.
+
+    Accepts the old and new line forms of shared/reference/sglang.md. Per-rank values keep the
+    worst rank (lowest headroom, highest weights). Never raises.
+    """
+    p = progress or StartupProgress()
+    graph_end: dict[int, float] = {}
+    for line in text.splitlines():
+        rank_m = _RANK.search(line)
+        rank = int(rank_m.group(1)) if rank_m else 0
+        if m := _P_WEIGHTS.search(line):
+            avail, used = float(m.group(1)), float(m.group(2))
+            p.weights_gib = max(p.weights_gib or 0.0, used)
+            p.avail_after_weights_gib = min(p.avail_after_weights_gib or avail, avail)
+            p.phase = _later(p.phase, "weights_loaded")
+        elif m := _P_KV.search(line):
+            p.kv_tokens = int(m.group(1))
+            p.phase = _later(p.phase, "kv_cache")
+        elif _P_GRAPH_BEGIN.search(line):
+            p.phase = _later(p.phase, "cuda_graph")
+        elif m := _P_GRAPH_END.search(line):
+            graph_end[rank] = min(graph_end.get(rank, float("inf")), float(m.group(1)))
+        elif m := _P_MAXTOK.search(line):
+            p.max_total_num_tokens = int(m.group(1))
+            if not graph_end:  # graphs disabled: the memory left after the pools is the headroom
+                avail = float(m.group(2))
+                p.headroom_gib = avail if p.headroom_gib is None else min(p.headroom_gib, avail)
+        elif _P_HTTP.search(line):
+            p.phase = _later(p.phase, "http_up")
+        elif _P_READY.search(line):
+            p.phase = _later(p.phase, "ready")
+    if graph_end:
+        low = min(graph_end.values())
+        p.headroom_gib = low if p.headroom_gib is None else min(p.headroom_gib, low)
+        p.ranks_reported = max(p.ranks_reported, len(graph_end))
+    return p
+
+
+_PHASES = ["starting", "weights_loaded", "kv_cache", "cuda_graph", "http_up", "ready"]
+
+
+def _later(current: str, new: str) -> str:
+    return new if _PHASES.index(new) > _PHASES.index(current) else current
+
+
+
+class LaunchFailed(ServerError):
+    """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure)."""
+
+    def __init__(
+        self,
+        failure: Failure,
+        log_tail: str,
+        attempts: Sequence[Any] = (),
+        *,
+        exit_status: int | None = None,
+        log_path: str | None = None,
+        command: Sequence[str] = (),
+        fraction: float | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.failure = failure
+        self.log_tail = log_tail
+        self.attempts = list(attempts)
+        self.exit_status = exit_status
+        self.log_path = log_path
+        self.command = list(command)
+        self.fraction = fraction
+        super().__init__(message or self._render())
+
+    def _render(self) -> str:
+        frac = "SGLang default" if self.fraction is None else format_fraction(self.fraction)
+        status = "still running (killed)" if self.exit_status is None else str(self.exit_status)
+        tail = "\n".join("    " + ln for ln in self.log_tail.splitlines()[-15:]) or "    (empty)"
+        return (
+            f"server launch failed ({self.failure.kind}) at --mem-fraction-static {frac}: "
+            f"{self.failure.explanation}\n"
+            f"  evidence: {self.failure.evidence or '-'}\n"
+            f"  exit status: {status}\n"
+            f"  command: {shlex.join(self.command)}\n"
+            f"  log: {self.log_path}\n  last lines:\n{tail}"
+        )
+

@@ -1,0 +1,141 @@
+"""Servers on remote targets (``ssh://``, ``pct://``): start detached, forward a port, poll, stop.
+
+The server is started through ``tasks.targets.start_detached`` with its log on the target, still
+bound to the target's loopback; datagen reaches it through an SSH local port forward (``ssh -N -L``,
+authenticating as tasks.targets does). Binding SGLang to a routable address would expose an API that
+is unauthenticated by default to the whole network. The server's environment (the API key and its
+bootstrap included) travels over the SSH channel's stdin, so no secret is on any command line of the
+target.
+
+For ``pct://`` the server runs in the container, whose loopback is not the Proxmox host's: there
+``cfg.host`` must be the container's address as the Proxmox host sees it; the forward goes there.
+
+Errors: ``LaunchFailed`` (kind "unknown") when the port forward does not come up (the started
+server's group is killed first); ``TargetError``/``TargetUnreachable`` from tasks.targets;
+``RuntimeError`` when the remote spawner fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+from tasks.server_config import ServerConfig, launch_argv, launch_env, log_file_name
+from tasks.server_log import Failure, LaunchFailed
+from tasks.targets import Target, parse_target, run_command, ssh_command, start_detached
+
+__all__ = ["RemoteStart", "Tunnel", "is_alive", "kill_group", "open_tunnel", "read_log", "start_remote"]
+
+_CMD_TIMEOUT_S = 30
+TUNNEL_DEADLINE_S = 15.0
+
+
+class Tunnel:
+    """A running ``ssh -N -L 127.0.0.1:local_port:host:port`` to a target."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], local_port: int) -> None:
+        self.proc = proc
+        self.local_port = local_port
+
+    def close(self) -> None:
+        """Stop the forward (SIGTERM, SIGKILL after 5 s) and reap it. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+@dataclass
+class RemoteStart:
+    """A server started on a target: its pid (= pgid), its log there, the forward to its port."""
+
+    pid: int
+    log_path: str
+    tunnel: Tunnel
+
+
+def start_remote(cfg: ServerConfig, target: Target, fraction: float | None,
+                 log_dir: str | os.PathLike[str]) -> RemoteStart:
+    """Start ``cfg`` detached on ``target`` (log under ``log_dir`` there) and forward a local port
+    to it. Does not wait for readiness.
+
+    Raises TargetError, TargetUnreachable, RuntimeError (the spawner failed), LaunchFailed (the
+    forward did not come up; the server's group was killed).
+    """
+    log_path = f"{log_dir}/{log_file_name(cfg, fraction)}"
+    run_command(target, ["mkdir", "-p", str(log_dir)], timeout_s=_CMD_TIMEOUT_S)
+    pid = start_detached(target, launch_argv(cfg, fraction), log_path, env=launch_env(cfg, base={}))
+    try:
+        tunnel = open_tunnel(target, cfg.host, cfg.port)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            kill_group(target, pid, grace_s=5.0)  # unreachable through us: never leave it running
+        raise
+    return RemoteStart(pid, log_path, tunnel)
+
+
+def read_log(target: str | Target, log_path: str, max_bytes: int) -> str:
+    """The last ``max_bytes`` of ``log_path`` on ``target`` ("" when unreadable)."""
+    res = run_command(parse_target(target), ["tail", "-c", str(max_bytes), log_path], timeout_s=_CMD_TIMEOUT_S)
+    return res.stdout
+
+
+def is_alive(target: str | Target, pid: int) -> bool:
+    """Whether ``pid`` runs on ``target`` (a zombie counts as dead)."""
+    # `ps -o stat=` tells a zombie apart from a live process; kill -0 would not.
+    res = run_command(parse_target(target), ["ps", "-o", "stat=", "-p", str(pid)], timeout_s=_CMD_TIMEOUT_S)
+    stat = res.stdout.strip()
+    return bool(stat) and not stat.startswith("Z")
+
+
+def kill_group(target: str | Target, pgid: int, grace_s: float) -> None:
+    """SIGTERM process group ``pgid`` on ``target``, poll until empty for ``grace_s``, then SIGKILL."""
+    t = parse_target(target)
+    run_command(t, ["kill", "-TERM", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
+    deadline = time.monotonic() + grace_s
+    delay = 0.1
+    while time.monotonic() < deadline:
+        if not run_command(t, ["pgrep", "-g", str(pgid)], timeout_s=_CMD_TIMEOUT_S).stdout.strip():
+            return
+        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+        delay = min(delay * 2, 1.0)
+    run_command(t, ["kill", "-KILL", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
+
+
+def open_tunnel(target: Target, host: str, port: int) -> Tunnel:
+    """Forward a free local loopback port to ``host:port`` as seen from ``target``; returns once the
+    local port accepts connections. Raises LaunchFailed (kind "unknown") with ssh's stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local_port = int(s.getsockname()[1])
+    argv = ssh_command(target, "-N", "-o", "ExitOnForwardFailure=yes",
+                       "-L", f"127.0.0.1:{local_port}:{host}:{port}")
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    tunnel = Tunnel(proc, local_port)
+    deadline = time.monotonic() + TUNNEL_DEADLINE_S
+    delay = 0.02
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
+            tunnel.close()
+            raise LaunchFailed(Failure("unknown", f"SSH port forward to {target} failed (exit {proc.returncode})",
+                                       err.strip()[-300:]), err, command=argv)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", local_port)) == 0:
+                return tunnel
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(delay)
+        delay = min(delay * 2, 0.5)
+    tunnel.close()
+    raise LaunchFailed(Failure("unknown", f"SSH port forward to {target} not up within {TUNNEL_DEADLINE_S:g} s"),
+                       "", command=argv)

@@ -1,0 +1,69 @@
+"""Prefect artifacts of a report: a table of the dataset totals and a markdown summary."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tasks.validation._results import ValidationReport, fmt_value
+
+
+def _artifact_key(prefix: str, suffix: str) -> str:
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{suffix}".lower()).strip("-")
+    return re.sub(r"-{2,}", "-", key)
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|")
+
+
+def report_table(report: ValidationReport) -> list[dict[str, Any]]:
+    """One row per dataset total check (the table artifact)."""
+    return [
+        {"dataset": d.name, "check": c.name, "status": c.status, "value": fmt_value(c.value),
+         "threshold": "" if c.threshold is None else str(c.threshold), "rows": c.rows, "message": c.message}
+        for d in report.datasets for c in d.checks
+    ]
+
+
+def report_markdown(report: ValidationReport) -> str:
+    """Checks, rates, failing shards and a few sample rows (reasoning/content trimmed) as markdown."""
+    out = [f"# Validation: {report.verdict.upper()}", "",
+           f"`{report.out_dir}`: {report.rows:,} rows, validated {report.validated_at}", ""]
+    for d in report.datasets:
+        out += [f"## {d.name}: {d.verdict} ({d.rows:,} rows, {len(d.shards)} shards)", "",
+                "| check | status | value | threshold | message |", "|---|---|---|---|---|"]
+        for c in d.checks:
+            out.append(f"| {c.name} | {c.status} | {fmt_value(c.value)} | {c.threshold} | {_cell(c.message)} |")
+        bad = d.failing_shards()
+        if bad:
+            out += ["", "Failing shards: " + ", ".join(str(s.shard_index) for s in bad)]
+        out.append("")
+    if report.samples:
+        out += ["## Sample rows", "", "| dataset | id | finish | reasoning | content |", "|---|---|---|---|---|"]
+        for r in report.samples:
+            cells = [_cell(r.get(k) or "") for k in ("dataset", "id", "finish_reason", "reasoning", "content")]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def publish_artifacts(report: ValidationReport, key_prefix: str = "validation") -> list[str]:
+    """Create a table and a markdown artifact for ``report`` in the current Prefect run.
+
+    Outside a flow or task run this does nothing and returns []; inside, it returns the artifact ids.
+    Keys are ``<prefix>-checks`` and ``<prefix>-summary`` (lowercase letters, digits, dashes).
+    """
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return []
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    description = f"datagen validation of {report.out_dir}: {report.verdict}"
+    ids = [
+        create_table_artifact(table=report_table(report), key=_artifact_key(key_prefix, "checks"),
+                              description=description),
+        create_markdown_artifact(markdown=report_markdown(report), key=_artifact_key(key_prefix, "summary"),
+                                 description=description),
+    ]
+    return [str(i) for i in ids]

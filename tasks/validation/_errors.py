@@ -1,0 +1,25 @@
+"""The errors of tasks.validation (one hierarchy, all raised to the caller, none swallowed)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.validation._results import ShardValidation, ValidationReport
+
+
+class ThresholdError(ValueError):
+    """A threshold key is unknown or its value is out of range; the message names the key."""
+
+
+class BadOutput(Exception):
+    """The path is not a datagen output directory (missing, no manifest, unreadable manifest)."""
+
+
+class ValidationFailed(Exception):
+    """A shard breached a threshold: the run must stop. ``message`` is the one actionable line."""
+
+    def __init__(self, message: str, report: ShardValidation | ValidationReport) -> None:
+        super().__init__(message)
+        self.message = message
+        self.report = report

@@ -1,0 +1,71 @@
+"""The shard gate: validate a shard as it commits, record it in ``_validation.json``, stop on a breach."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tasks.validation._errors import ValidationFailed
+from tasks.validation._output import validate_shard, write_json
+from tasks.validation._results import REPORT_NAME, ShardValidation
+from tasks.validation._thresholds import Thresholds
+
+
+def gate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
+               thresholds: Thresholds | None = None) -> ShardValidation:
+    """Validate a shard that just committed, record it in ``_validation.json``, stop the run on a breach.
+
+    Every failing check stops the run; the message is that of the most fundamental one (``CHECK_ORDER``),
+    naming the others. Warnings are recorded, not raised.
+
+    Raises:
+        ValidationFailed: a check failed; ``.message`` says what broke and what to do.
+        BadOutput: ``out_dir`` is not an output, or the shard is not committed.
+    """
+    result = validate_shard(out_dir, dataset, shard_index, thresholds)
+    _record_shard(Path(out_dir), result)
+    failed = result.failed()
+    if failed:
+        message = failed[0].message
+        if len(failed) > 1:
+            message += f" (also failing: {', '.join(c.name for c in failed[1:])})"
+        raise ValidationFailed(message, result)
+    return result
+
+
+def _record_shard(out_dir: Path, result: ShardValidation) -> None:
+    # Gates of datasets running side by side read-modify-write the same report: serialise them with a
+    # flock on the output directory itself (no extra file; distinct from the run's OUT/_lock).
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _record_shard_locked(out_dir, result)
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _record_shard_locked(out_dir: Path, result: ShardValidation) -> None:
+    path = out_dir / REPORT_NAME
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("datasets"), dict):
+            raise ValueError("not a report")
+    except (OSError, ValueError):
+        doc = {"version": 1, "kind": "shards", "out_dir": str(out_dir), "datasets": {}}
+    ds = doc["datasets"].setdefault(result.dataset, {"shards": {}})
+    ds.setdefault("shards", {})[str(result.shard_index)] = result.to_dict()
+    verdicts = [s.get("verdict") for d in doc["datasets"].values() for s in d.get("shards", {}).values()]
+    ds["verdict"] = _worst(s.get("verdict") for s in ds["shards"].values())
+    doc["verdict"] = _worst(verdicts)
+    doc["validated_at"] = result.validated_at
+    write_json(path, doc)
+
+
+def _worst(verdicts: Iterable[Any]) -> str:
+    # Recorded verdicts, read back from JSON: anything but fail/warn (e.g. a hand edit) counts as pass.
+    seen = set(verdicts)
+    return "fail" if "fail" in seen else "warn" if "warn" in seen else "pass"

@@ -1,0 +1,260 @@
+"""The output walk: the manifest, each committed shard, each dataset's totals, ``_validation.json``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.validation._checks import judge_all, measure_all
+from tasks.validation._checks_structure import judge_unique
+from tasks.validation._errors import BadOutput
+from tasks.validation._results import (
+    REPORT_NAME,
+    Check,
+    Context,
+    DatasetValidation,
+    ShardValidation,
+    ValidationReport,
+)
+from tasks.validation._stats import Stats, duplicates, merge, needs, ranges, short
+from tasks.validation._thresholds import Thresholds
+
+MANIFEST_NAME = "_manifest.json"
+
+
+# ------------------------------------------------------------------------------------ output layout
+def load_manifest(out_dir: Path) -> dict[str, Any]:
+    """The parsed ``_manifest.json`` of ``out_dir``.
+
+    Raises:
+        BadOutput: ``out_dir`` is missing, has no manifest, or the manifest is unreadable or malformed.
+    """
+    if not out_dir.is_dir():
+        raise BadOutput(f"{out_dir}: no such directory")
+    path = out_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise BadOutput(f"{out_dir}: not a datagen output (no {MANIFEST_NAME})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadOutput(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("datasets"), dict):
+        raise BadOutput(f"{path}: not a datagen manifest (no 'datasets' table)")
+    return manifest
+
+
+def _dataset_entry(manifest: Mapping[str, Any], dataset: str, out_dir: Path) -> dict[str, Any]:
+    entry = manifest["datasets"].get(dataset)
+    if not isinstance(entry, dict):
+        raise BadOutput(f"{out_dir}: dataset {dataset!r} not in the manifest "
+                        f"(has {', '.join(manifest['datasets']) or 'none'})")
+    return entry
+
+
+def _shard_file(out_dir: Path, dataset: str, index: int, info: Mapping[str, Any]) -> Path:
+    name = info.get("file") or f"shard-{index:05d}.parquet"
+    path = Path(name)
+    if path.is_absolute():
+        return path
+    direct = out_dir / path
+    return direct if direct.exists() or len(path.parts) > 1 else out_dir / dataset / path
+
+
+def _slice_size(manifest: Mapping[str, Any], entry: Mapping[str, Any], index: int) -> int | None:
+    size = manifest.get("shard_size")
+    total = entry.get("total_rows")
+    if not isinstance(size, int) or not isinstance(total, int):
+        return None
+    return max(0, min(size, total - index * size))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    """Atomic: a temp file in the same directory, fsynced, renamed over the target."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------------- shards
+def _complete_check(rows: int, info: Mapping[str, Any], expected: int | None, shard_size: Any,
+                    file_hash_ok: bool | None, ctx: Context) -> Check:
+    rejects = int(info.get("rejects") or 0)
+    problems = []
+    if isinstance(info.get("rows"), int) and info["rows"] != rows:
+        problems.append(f"manifest says {info['rows']} rows, the file holds {rows}")
+    if file_hash_ok is False:
+        problems.append("the file's sha256 differs from the manifest (changed after commit)")
+    if expected is None and isinstance(shard_size, int) and rows + rejects >= shard_size:
+        # Input not read to the end yet (total_rows unknown): a full slice is still provably complete.
+        expected = shard_size
+    missing = None if expected is None else expected - rows - rejects
+    if missing:
+        word = "missing from" if missing > 0 else "too many in"
+        problems.insert(0, f"{abs(missing)} input rows {word} {ctx.label}: {rows} rows + {rejects} rejects, "
+                           f"the slice holds {expected}")
+    if problems:
+        return Check("complete", "fail", missing or 0, 0, "; ".join(problems) +
+                     "; the shard was committed incomplete or edited: rerun it (the journal resumes by id)",
+                     abs(missing or 0), rows)
+    if expected is None:
+        return Check("complete", "unknown", None, None,
+                     f"cannot check yet: {rows} rows + {rejects} rejects, a short slice, and the manifest does "
+                     f"not know the input's total_rows", 0, rows)
+    return Check("complete", "pass", 0, 0, f"{rows} rows + {rejects} rejects = slice of {expected}", 0, rows)
+
+
+_SAMPLE_COLUMNS = ("id", "finish_reason", "reasoning", "content")
+
+
+def _samples(table: pa.Table, ctx: Context, k: int = 3, width: int = 160) -> list[dict[str, Any]]:
+    cols = [c for c in _SAMPLE_COLUMNS if c in table.column_names]
+    rows = table.select(cols).slice(0, k).to_pylist()
+    out = []
+    for row in rows:
+        trimmed = {c: (short(v.replace("\n", " "), width) if isinstance(v, str) else v) for c, v in row.items()}
+        out.append({"dataset": ctx.dataset, "shard": ctx.shard_index, **trimmed})
+    return out
+
+
+def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, index: int,
+                    thr: Thresholds, *, with_samples: bool = False
+                    ) -> tuple[ShardValidation, pa.ChunkedArray | None]:
+    """The shard's validation, and its ``id`` column for the dataset's cross-shard duplicate check."""
+    entry = _dataset_entry(manifest, dataset, out_dir)
+    info = (entry.get("shards") or {}).get(str(index))
+    if not isinstance(info, dict):
+        raise BadOutput(f"{out_dir}: shard {index} of {dataset!r} is not committed in the manifest")
+    path = _shard_file(out_dir, dataset, index, info)
+    ctx = Context(dataset=dataset, shard_index=index, out_dir=str(out_dir))
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; rerun the shard")
+        return ShardValidation(dataset, index, str(path), 0, [check]), None
+    stats = measure_all(table, ctx, thr)
+    checks = judge_all(stats, ctx, thr)
+    hash_ok = None
+    if isinstance(info.get("sha256"), str):
+        hash_ok = _sha256(path) == info["sha256"]
+    checks.insert(1, _complete_check(table.num_rows, info, _slice_size(manifest, entry, index),
+                                     manifest.get("shard_size"), hash_ok, ctx))
+    result = ShardValidation(dataset, index, str(path), table.num_rows, checks, stats=stats)
+    if with_samples:
+        result.samples = _samples(table, ctx)
+    return result, (table.column("id") if needs(table, "id") is None else None)
+
+
+def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
+                   thresholds: Thresholds | None = None) -> ShardValidation:
+    """Validate one committed shard (row checks plus ``complete`` against the manifest).
+
+    Raises:
+        BadOutput: ``out_dir`` is not an output, or the dataset/shard is not in its manifest.
+    """
+    out = Path(out_dir)
+    result, _ids = _validate_shard(out, load_manifest(out), dataset, shard_index, thresholds or Thresholds())
+    return result
+
+
+# --------------------------------------------------------------------------------------- datasets
+def _dataset_complete(name: str, entry: Mapping[str, Any], shards: list[ShardValidation]) -> Check:
+    """Every shard committed, rows + rejects = input rows, no shard incomplete."""
+    num_shards = entry.get("num_shards")
+    total_rows = entry.get("total_rows")
+    committed = len(shards)
+    rows = sum(s.rows for s in shards)
+    rejects = sum(int(((entry.get("shards") or {}).get(str(s.shard_index)) or {}).get("rejects") or 0)
+                  for s in shards)
+    problems = []
+    if isinstance(num_shards, int) and committed < num_shards:
+        pending = sorted(set(range(num_shards)) - {s.shard_index for s in shards})
+        problems.append(f"{num_shards - committed} of {num_shards} shards of {name} not committed "
+                        f"(shards {ranges(pending[:20])}); finish the run (`datagen run` resumes)")
+    if isinstance(total_rows, int) and committed == num_shards and rows + rejects != total_rows:
+        problems.append(f"{rows} rows + {rejects} rejects in {name}, the input has {total_rows}")
+    bad_shards = [s.shard_index for s in shards if any(c.name == "complete" and c.status == "fail" for c in s.checks)]
+    if bad_shards:
+        problems.append(f"shards {ranges(bad_shards)} incomplete")
+    if problems:
+        return Check("complete", "fail", committed, num_shards, "; ".join(problems), committed, rows)
+    if not isinstance(num_shards, int):
+        return Check("complete", "unknown", committed, None, "cannot check: manifest lacks num_shards",
+                     committed, rows)
+    return Check("complete", "pass", committed, num_shards,
+                 f"{committed} of {num_shards} shards, {rows} rows + {rejects} rejects", committed, rows)
+
+
+def _dataset_totals(name: str, entry: Mapping[str, Any], shards: list[ShardValidation],
+                    ids: list[pa.ChunkedArray], thr: Thresholds, out_dir: Path) -> list[Check]:
+    ctx = Context(dataset=name, out_dir=str(out_dir))
+    merged: dict[str, Stats] = {}
+    for s in shards:
+        for key, st in s.stats.items():
+            merged[key] = merge(merged[key], st) if key in merged else st
+    checks = judge_all(merged, ctx, thr) if merged else []
+    # Duplicates across shards: judged on all ids together, not on summed per-shard counts.
+    if ids:
+        extra, examples = duplicates(pa.chunked_array([c for a in ids for c in a.chunks], type=pa.string()))
+        stats = {"rows": sum(len(a) for a in ids), "duplicates": extra, "examples": examples}
+        checks = [judge_unique(stats, ctx, thr) if c.name == "unique_ids" else c for c in checks]
+    checks.insert(1 if checks else 0, _dataset_complete(name, entry, shards))
+    return checks
+
+
+def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | None = None,
+                    *, write: bool = True) -> ValidationReport:
+    """Validate every committed shard and each dataset as a whole; write ``OUT/_validation.json``.
+
+    Raises:
+        BadOutput: ``out_dir`` is missing or not a datagen output.
+    """
+    started = time.perf_counter()
+    out = Path(out_dir)
+    thr = thresholds or Thresholds()
+    manifest = load_manifest(out)
+    datasets: list[DatasetValidation] = []
+    samples: list[dict[str, Any]] = []
+    for name in sorted(manifest["datasets"]):
+        entry = _dataset_entry(manifest, name, out)
+        shards: list[ShardValidation] = []
+        ids: list[pa.ChunkedArray] = []
+        for key in sorted((entry.get("shards") or {}), key=int):
+            result, idcol = _validate_shard(out, manifest, name, int(key), thr, with_samples=not shards)
+            if idcol is not None:
+                ids.append(idcol)
+            samples.extend(result.samples)
+            shards.append(result)
+        checks = _dataset_totals(name, entry, shards, ids, thr, out)
+        for s in shards:
+            s.stats = {}  # the totals are judged; free the per-shard counts
+        datasets.append(DatasetValidation(name, sum(s.rows for s in shards), shards, checks))
+    report = ValidationReport(str(out), datasets, thr, samples=samples)
+    report.elapsed_s = time.perf_counter() - started
+    if write:
+        write_json(out / REPORT_NAME, report.to_dict())
+    return report

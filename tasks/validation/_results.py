@@ -1,0 +1,208 @@
+"""What validation produces: ``Check``, the shard/dataset/output results, their verdicts and summary."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from tasks.validation._thresholds import Thresholds
+
+REPORT_NAME = "_validation.json"
+# Order in which the gate picks the one message to show: the most fundamental breach first, since a
+# broken schema or a wrong parser usually trips the later checks too.
+CHECK_ORDER = (
+    "schema",
+    "complete",
+    "unique_ids",
+    "fingerprint",
+    "reasoning_present",
+    "tag_leak",
+    "resplit",
+    "empty_content",
+    "truncation",
+    "finish_reason",
+    "token_counts",
+)
+# How many examples (ids, failing shards) a message or summary lists before it says "more".
+MAX_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome. ``value`` is usually the breaching rate, ``count`` of ``rows`` considered."""
+
+    name: str
+    status: str  # pass | warn | fail | unknown
+    value: float | int | str | None
+    threshold: float | int | str | None
+    message: str
+    count: int = 0
+    rows: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a table is: used in messages and for the manifest-based checks."""
+
+    dataset: str
+    shard_index: int | None = None
+    out_dir: str = "OUT"
+
+    @property
+    def label(self) -> str:
+        if self.shard_index is None:
+            return self.dataset
+        return f"shard {self.shard_index} of {self.dataset}"
+
+
+def verdict_of(checks: Iterable[Check]) -> str:
+    """``fail`` if any check failed, else ``warn`` if any warned or was unknown, else ``pass``."""
+    statuses = {c.status for c in checks}
+    if "fail" in statuses:
+        return "fail"
+    if statuses & {"warn", "unknown"}:
+        return "warn"
+    return "pass"
+
+
+def check_rank(c: Check) -> int:
+    """Position of ``c`` in ``CHECK_ORDER`` (unknown names last)."""
+    return CHECK_ORDER.index(c.name) if c.name in CHECK_ORDER else len(CHECK_ORDER)
+
+
+def fmt_value(value: Any) -> str:
+    """A check's value for people: rates as percentages, other floats with two decimals."""
+    if isinstance(value, float):
+        return f"{value:.2%}" if value <= 1.0 else f"{value:.2f}"
+    return "" if value is None else str(value)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class ShardValidation:
+    """The checks of one committed shard."""
+
+    dataset: str
+    shard_index: int
+    file: str
+    rows: int
+    checks: list[Check]
+    validated_at: str = field(default_factory=_now)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    samples: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.checks)
+
+    def failed(self) -> list[Check]:
+        return sorted((c for c in self.checks if c.status == "fail"), key=check_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "shard": self.shard_index,
+            "file": self.file,
+            "rows": self.rows,
+            "verdict": self.verdict,
+            "validated_at": self.validated_at,
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+
+@dataclass
+class DatasetValidation:
+    """A dataset's shards and its totals (the same checks over all its shards together)."""
+
+    name: str
+    rows: int
+    shards: list[ShardValidation]
+    checks: list[Check]
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.all_checks())
+
+    def all_checks(self) -> list[Check]:
+        """The totals, then every shard's checks."""
+        return [*self.checks, *(c for s in self.shards for c in s.checks)]
+
+    def failing_shards(self) -> list[ShardValidation]:
+        return [s for s in self.shards if s.verdict == "fail"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "rows": self.rows,
+            "total": [c.to_dict() for c in self.checks],
+            "shards": {str(s.shard_index): s.to_dict() for s in self.shards},
+        }
+
+
+_MARK = {"pass": "ok  ", "warn": "WARN", "fail": "FAIL", "unknown": "??  "}
+
+
+@dataclass
+class ValidationReport:
+    """The validation of a whole output directory (written as ``_validation.json``)."""
+
+    out_dir: str
+    datasets: list[DatasetValidation]
+    thresholds: Thresholds
+    validated_at: str = field(default_factory=_now)
+    elapsed_s: float = 0.0
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.all_checks())
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != "fail"
+
+    @property
+    def rows(self) -> int:
+        return sum(d.rows for d in self.datasets)
+
+    def all_checks(self) -> list[Check]:
+        return [c for d in self.datasets for c in d.all_checks()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "kind": "output",
+            "out_dir": self.out_dir,
+            "verdict": self.verdict,
+            "rows": self.rows,
+            "validated_at": self.validated_at,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "thresholds": self.thresholds.to_dict(),
+            "datasets": {d.name: d.to_dict() for d in self.datasets},
+            "samples": self.samples,
+        }
+
+    def summary(self) -> str:
+        """A readable terminal summary: the verdict, each dataset's totals, failing shards."""
+        lines = [f"validation of {self.out_dir}: {self.verdict.upper()} ({self.rows:,} rows, {self.elapsed_s:.2f} s)"]
+        for d in self.datasets:
+            lines.append(f"  {d.name}: {d.verdict} - {d.rows:,} rows in {len(d.shards)} shards")
+            for c in d.checks:
+                value = fmt_value(c.value)
+                lines.append(f"    {_MARK[c.status]} {c.name:<18} {value:>9}  {c.message}")
+            bad = d.failing_shards()
+            for s in bad[:MAX_EXAMPLES]:
+                first = s.failed()[0]
+                lines.append(f"    shard {s.shard_index}: FAIL {first.name}: {first.message}")
+            if len(bad) > MAX_EXAMPLES:
+                lines.append(f"    ... {len(bad) - MAX_EXAMPLES} more failing shards (see {REPORT_NAME})")
+        return "\n".join(lines)
