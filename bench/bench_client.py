@@ -209,7 +209,7 @@ def _row(metric: str, value: float, unit: str, target: str, ok: bool, note: str 
 
 def run(quick: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    n = 4000 if quick else 20000
+    n = 6000 if quick else 20000
     sampling = {"max_new_tokens": 64}
     with tempfile.TemporaryDirectory(prefix="bench-client-") as tmp_s:
         tmp = Path(tmp_s)
@@ -226,14 +226,20 @@ def run(quick: bool) -> list[dict[str, Any]]:
                                  f"GenerateClient.generate, {CONCURRENCY} in flight, {m} requests"))
             inp = tmp / "e2e.jsonl"
             _write_input(inp, n)
-            e2e, done = _e2e(url, inp, tmp / "out-e2e", sampling)
-            bare2 = asyncio.run(_bare(url, prompts, sampling))  # the bare loop again: the machine drifts
-            bare_avg = (bare + bare2) / 2
-            rows.append(_row("bare_rows_per_s", bare_avg, "rows/s", "reference", True,
-                             f"aiohttp+orjson, {CONCURRENCY} in flight, mean of 2 runs ({bare:.0f}, {bare2:.0f})"))
+            # interleaved, best of 3 each: other processes on a shared 2-core host skew single runs
+            bares, e2es = [bare], []
+            for rep in range(3):
+                rate, done = _e2e(url, inp, tmp / f"out-e2e-{rep}", sampling)
+                e2es.append(rate)
+                if rep < 2:
+                    bares.append(asyncio.run(_bare(url, prompts, sampling)))
+            bare_best, e2e = max(bares), max(e2es)
+            rows.append(_row("bare_rows_per_s", bare_best, "rows/s", "reference", True,
+                             f"aiohttp+orjson, {CONCURRENCY} in flight, best of {[round(b) for b in bares]}"))
             rows.append(_row("e2e_rows_per_s", e2e, "rows/s", ">= 1000", e2e >= 1000,
-                             f"run_dataset {done} rows, journal + Parquet, httpx-aiohttp transport"))
-            rows.append(_row("e2e_vs_bare", e2e / bare_avg, "x", ">= 0.5", e2e / bare_avg >= 0.5))
+                             f"run_dataset {done} rows, journal + Parquet, httpx-aiohttp transport, "
+                             f"best of {[round(e) for e in e2es]}"))
+            rows.append(_row("e2e_vs_bare", e2e / bare_best, "x", ">= 0.5", e2e / bare_best >= 0.5))
 
             mem_small, mem_big = 10_000, (50_000 if quick else 200_000)
             small, big = tmp / "mem-small.jsonl", tmp / "mem-big.jsonl"

@@ -11,11 +11,11 @@ Transport (measured by bench/bench_client.py against the emulator; figures in th
   request on 2 cores; kept for comparison.
 - ``"aiohttp"``: raw aiohttp + orjson, the fastest; kept for comparison and as a fallback.
 
-Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx
-(including SGLang's 503 "The request queue is full."), a 400 "Duplicate request ID" (a retry racing
-its own timed-out predecessor) and an ``abort`` finish are retried with exponential backoff and full
-jitter, up to ``max_attempts``. Other 4xx are never retried. When attempts run out the server is
-considered gone.
+Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx,
+a 400 "Duplicate request ID" (a retry racing its own timed-out predecessor) and an ``abort`` finish
+are retried with exponential backoff and jitter, up to ``max_attempts``; then the server is
+considered gone. SGLang's 503 "The request queue is full." (alive, overloaded) is retried up to
+``max_overload_retries`` more times before it counts. Other 4xx are never retried.
 
 Errors::
 
@@ -62,6 +62,7 @@ _TOO_LONG = re.compile(
     re.IGNORECASE,
 )
 _DUPLICATE_RID = re.compile(r"duplicate request id", re.IGNORECASE)
+_QUEUE_FULL = re.compile(r"queue is full", re.IGNORECASE)
 
 
 class ClientError(Exception):
@@ -105,6 +106,9 @@ class ClientConfig:
     # A whole /generate call: long reasoning at a few tokens/s per request takes many minutes.
     request_timeout_s: float = 3600.0
     max_attempts: int = 6
+    # 503 "The request queue is full." means alive but busy (--max-queued-requests): retried this many
+    # times more, with backoff, before such answers count as failures.
+    max_overload_retries: int = 100
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     transport: Transport = "httpx-aiohttp"
@@ -306,10 +310,12 @@ class GenerateClient:
         cfg = self.config
         body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
         last = ""
-        for attempt in range(1, cfg.max_attempts + 1):
-            if attempt > 1:
+        attempt = 0  # failures that count towards max_attempts
+        overloaded = 0  # "queue is full" answers: the server is alive, just busy
+        while attempt < cfg.max_attempts:
+            if attempt or overloaded:
                 self.stats.retries += 1
-                await asyncio.sleep(cfg.backoff_s(attempt - 1))
+                await asyncio.sleep(cfg.backoff_s(max(1, attempt + min(overloaded, 6))))
             self.stats.requests += 1
             started = time.perf_counter()
             try:
@@ -317,32 +323,31 @@ class GenerateClient:
             except _Transient as exc:
                 self.stats.count_error(exc.kind)
                 last = exc.detail
+                attempt += 1
                 continue
             latency = time.perf_counter() - started
-            if status >= 500:
-                self.stats.count_error(f"http_{status}")
-                last = f"HTTP {status}: {server_error_message(payload)}"
-                continue
-            if status >= 400:
-                message = server_error_message(payload)
-                if _DUPLICATE_RID.search(message):
-                    self.stats.count_error("duplicate_rid")
-                    last = f"HTTP {status}: {message}"
-                    continue
-                if _TOO_LONG.search(message):
-                    raise PromptTooLong(status, message, rid)
-                raise RequestRejected(status, message, rid)
             if status != 200:
-                self.stats.count_error(f"http_{status}")
-                last = f"HTTP {status}: unexpected status"
+                message = server_error_message(payload)
+                last = f"HTTP {status}: {message}"
+                if status == 503 and _QUEUE_FULL.search(message) and overloaded < cfg.max_overload_retries:
+                    self.stats.count_error("http_503")
+                    overloaded += 1
+                    continue
+                if 400 <= status < 500 and not _DUPLICATE_RID.search(message):
+                    if _TOO_LONG.search(message):
+                        raise PromptTooLong(status, message, rid)
+                    raise RequestRejected(status, message, rid)
+                self.stats.count_error("duplicate_rid" if _DUPLICATE_RID.search(message) else f"http_{status}")
+                attempt += 1
                 continue
-            result = _parse_generate(rid, payload, latency, attempt)
+            result = _parse_generate(rid, payload, latency, attempt + 1)
             if result.finish_reason == "abort":
                 message = str(result.finish_detail.get("message", ""))
                 if _TOO_LONG.search(message):
                     raise PromptTooLong(int(result.finish_detail.get("status_code") or 400), message, rid)
                 self.stats.count_error("abort")
                 last = f"aborted: {message}"
+                attempt += 1
                 if attempt < cfg.max_attempts:
                     continue
             return result

@@ -301,6 +301,15 @@ def _open(conn: Any, target: Target) -> None:
         raise TargetUnreachable(target, f"{type(exc).__name__}: {exc}") from exc
 
 
+class _Payload(io.StringIO):
+    """stdin for fabric: invoke asks for one byte per 10 ms tick (a 2 KB environment would take
+    20 s), so every read hands over all that is left; the final empty read is EOF, which invoke turns
+    into the channel's shutdown_write."""
+
+    def read(self, size: int | None = -1) -> str:
+        return super().read()
+
+
 def run_command(target: Target | str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
                 stdin_closed: bool = True) -> CommandResult:
     """Run ``argv`` on ``target`` and wait at most ``timeout_s`` for it.
@@ -332,8 +341,7 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
     try:
         _open(conn, target)
         try:
-            # io.StringIO ends in EOF, which invoke turns into the channel's shutdown_write.
-            stdin = io.StringIO(env_script(env)) if env else False
+            stdin = _Payload(env_script(env)) if env else False
             res = conn.run(line, hide=True, warn=True, in_stream=stdin, echo_stdin=False,
                            timeout=timeout_s + 30)
         except CommandTimedOut as exc:

@@ -263,3 +263,16 @@ def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
     assert sorted(committed_ids(out, "beta")) == ["q00000", "q00001", "q00002"]
     with pytest.raises(ValueError, match="same dataset name"):
         run_inputs([a, tmp_path / "alpha.parquet"], out, emulator.url)
+
+
+def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp_path):
+    inp = tmp_path / "empty.jsonl"
+    inp.write_text("")
+    dead = "http://127.0.0.1:9"  # nothing listens: any request would fail
+    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", dead, model_dir=DEMO_MODEL, shard_size=4,
+                    concurrency=2, server_fingerprint="f", model_name="m", client_config=FAST_CLIENT)
+    assert (r.complete, r.shards_total, r.requests) == (True, 0, 0)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", dead, model_dir=DEMO_MODEL, shard_size=4,
+                    reasoning_parser="nope")
+    assert not (tmp_path / "out2").exists()

@@ -50,8 +50,8 @@ class Api:
             time.sleep(0.3)
 
     def logs(self, run_id: str) -> str:
-        body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
-        return "\n".join(r["message"] for r in self.http.post("/logs/filter", json=body).json())
+        body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
+        return "\n".join(r["message"] for r in reversed(self.http.post("/logs/filter", json=body).json()))
 
 
 @pytest.fixture(scope="module")

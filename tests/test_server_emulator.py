@@ -279,15 +279,9 @@ def test_weights_that_do_not_fit_stop_the_tuner_at_once(sim_gpus, started, tmp_p
 @pytest.fixture
 def remote(ssh_env, sim_gpus, monkeypatch):
     """The sshd target (this host) with remote commands pointed at the emulator and simulated GPUs."""
-    import shlex
-    import sys
+    from tests.test_targets import stand_in_remote_env
 
-    env = {
-        "PATH": f"{REPO / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
-        "DATAGEN_SIM_GPUS": os.environ["DATAGEN_SIM_GPUS"],
-        "DATAGEN_PYTHON": sys.executable,
-    }
-    monkeypatch.setenv("DATAGEN_REMOTE_ENV", " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
+    monkeypatch.setenv("DATAGEN_REMOTE_ENV", stand_in_remote_env())
     return ssh_env
 
 
@@ -332,3 +326,31 @@ def test_remote_launch_with_api_key_keeps_it_off_every_command_line(remote, sim_
                       timeout=10).status_code == 200
     assert stop_server(h, grace_s=5).verdict == "clean"
     assert not pid_alive(h.pid) and used_mib(sim_gpus) == [0] * 8
+
+
+@pytest.mark.slow
+def test_remote_tunnel_failure_kills_the_started_server(remote, sim_gpus, tmp_path, monkeypatch):
+    from tasks.server import ServerError
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake_ssh = bindir / "ssh"  # the forward is the only thing run through the ssh binary
+    fake_ssh.write_text("#!/bin/sh\necho 'bind [127.0.0.1]:1: Address already in use' >&2\nexit 255\n")
+    fake_ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    cfg = ServerConfig(model_path=str(REPO / DEMO), backend="emulator", port=free_port(),
+                       extra_args=("--emu-load-time", "30"))
+    with pytest.raises(ServerError) as ei:
+        launch(cfg, remote.url(), 0.88, str(tmp_path / "remote-logs"), deadline_s=30)
+    assert "SSH port forward to" in str(ei.value) and "exit 255" in str(ei.value)
+    assert "Address already in use" in ei.value.log_tail
+
+    def ours() -> list[int]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if f"--port {cfg.port}" in " ".join(p.info["cmdline"] or []) and pid_alive(p.pid):
+                found.append(p.pid)
+        return found
+
+    wait_until(lambda: not ours(), 10, "the remote server to be gone")
+    wait_until(lambda: used_mib(sim_gpus) == [0] * 8, 10, "sim GPUs to be released")

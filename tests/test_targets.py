@@ -114,15 +114,21 @@ def test_start_detached_local_is_a_session_leader(tmp_path, reap_pids):
 # --------------------------------------------------------------------------- over real sshd
 
 
-@pytest.fixture
-def remote(ssh_env, sim_gpus, monkeypatch):
-    """The sshd target with DATAGEN_REMOTE_ENV pointing remote commands at the stand-ins."""
+def stand_in_remote_env() -> str:
+    """A DATAGEN_REMOTE_ENV that points remote commands (on this host) at the emulator, nvidia-smi
+    stand-in, simulated GPUs and this Python."""
     env = {
         "PATH": f"{REPO / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
         "DATAGEN_SIM_GPUS": os.environ["DATAGEN_SIM_GPUS"],
         "DATAGEN_PYTHON": sys.executable,
     }
-    monkeypatch.setenv("DATAGEN_REMOTE_ENV", " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
+    return " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+
+
+@pytest.fixture
+def remote(ssh_env, sim_gpus, monkeypatch):
+    """The sshd target with DATAGEN_REMOTE_ENV pointing remote commands at the stand-ins."""
+    monkeypatch.setenv("DATAGEN_REMOTE_ENV", stand_in_remote_env())
     return ssh_env
 
 
@@ -202,9 +208,13 @@ def test_remote_cli_dry_run_json_and_missing_python(remote, holders, capsys, mon
 @pytest.mark.parametrize("kind", ["ssh", "pct"])
 def test_remote_env_travels_over_stdin_not_argv(remote, kind):
     secret = "sk-targets-91be 'q' $(x)"
-    env = {"DATAGEN_T_SECRET": secret}
+    env = {"DATAGEN_T_SECRET": secret, "BIG": "x" * 50_000}
+    t0 = time.monotonic()
     res = run_command(remote.url(kind, 7), ["sh", "-c", 'printf %s "$DATAGEN_T_SECRET"; cat'], 20, env=env)
     assert (res.exited, res.stdout) == (0, secret), res.stderr
+    assert time.monotonic() - t0 < 5  # the payload goes in one piece, not byte by byte
+    res = run_command(remote.url(kind, 7), ["sh", "-c", 'printf %s "$BIG" | wc -c'], 20, env=env)
+    assert res.stdout.strip() == "50000"
     # `ps` run by the command itself sees every ancestor (sshd session, timeout, sh) while it runs
     res = run_command(remote.url(kind, 7), ["ps", "-eo", "args"], 20, env=env)
     assert res.exited == 0 and "ps -eo args" in res.stdout

@@ -81,7 +81,7 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
                  f"fix --reasoning-parser ({', '.join(fits[:3])}), then {resplit}")
         if parser != "none" and parser in fits:
             cause = (f"the raw output holds {end} but the split did not use it (parser {parser}, "
-                     f"think_in_prompt taken into account?); run {resplit.replace('NAME', parser)}")
+                     f"think_in_prompt taken into account?); run {resplit_command(ctx, parser)}")
     elif s["missing_think_in_prompt"] * 2 > bad:
         cause = (f"the prompt opens the think block (chat template) but parser is {parser} and the "
                  f"output was not treated as reasoning; fix --reasoning-parser, then {resplit}")

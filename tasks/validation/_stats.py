@@ -187,7 +187,7 @@ def example_note(s: Stats) -> str:
     return f" (e.g. id {s['example']})" if s["example"] else ""
 
 
-def resplit_command(ctx: Context) -> str:
-    """The command that re-splits the output (the user picks the parser NAME)."""
+def resplit_command(ctx: Context, parser: str = "NAME") -> str:
+    """The command that re-splits the output (the user picks the parser NAME unless it is known)."""
     out_dir = ctx.out_dir if " " not in ctx.out_dir else f"'{ctx.out_dir}'"
-    return f"`datagen resplit {out_dir} --parser NAME`"
+    return f"`datagen resplit {out_dir} --parser {parser}`"
