@@ -30,6 +30,8 @@ exact token and then killed by pid), simulated GPU memory all released.
 
 Replay: the parameters of round K depend only on (seed, K): ``--seed S --round K`` reruns it.
 All rounds share one Prefect server (started here, stopped by pid at the end), as under `datagen up`.
+A kill9 round's rerun waits for the killed run's ``gpu:<host>`` slot lease to expire (flows/gpulimit.py,
+60 s; nothing releases it after a SIGKILL), so such a round takes about 70 s longer than the others.
 
 Exit codes: 0 every round passed; 1 a round lost or duplicated a row, failed validation, did not
 complete, or left a process or GPU memory behind; 2 usage error or the harness could not start.
@@ -52,7 +54,6 @@ import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
@@ -148,17 +149,19 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
         else:
             p.kill_at_rows = rng.randint(1, max(1, total - 1))
     elif fault == "server_crash":
-        p.extra_args += ["--emu-crash-after", str(rng.randint(10, max(11, total // 2)))]
+        # more than the concurrency: a crash while every request is in flight makes no progress
+        p.extra_args += ["--emu-crash-after", str(p.concurrency + rng.randint(5, max(6, total // 2)))]
     elif fault == "runtime_oom":
         p.mem_fraction = 0.93
         p.concurrency = 64
         p.prompt_words = (60, 120)  # 64 prompts of 100+ tokens: a 2,048+ token prefill batch
     elif fault == "hang":
-        p.extra_args += ["--emu-hang-after", str(rng.randint(10, max(11, total - 10)))]
+        p.extra_args += ["--emu-hang-after", str(p.concurrency + rng.randint(5, max(6, total - 10)))]
     elif fault == "http_503":
         p.extra_args += ["--emu-503-rate", f"{rng.uniform(0.05, 0.3):.2f}", "--emu-seed", str(rng.randrange(1000))]
     elif fault == "orphan":
-        p.extra_args += ["--emu-orphan-on-crash", "--emu-crash-after", str(rng.randint(10, max(11, total // 2)))]
+        p.extra_args += ["--emu-orphan-on-crash", "--emu-crash-after",
+                         str(p.concurrency + rng.randint(5, max(6, total // 2)))]
     elif fault == "stale_holder":
         p.holder = {"gpu": rng.choice((0, 1)), "mib": rng.choice((20000, 50000, 90000)),
                     "children": rng.randint(0, 2)}
@@ -174,7 +177,7 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
 
 def _malformed_line(i: int, rng: random.Random, valid_id: str) -> str:
     kinds = [
-        lambda: '{"id": "bad-json-%d", "messages": [' % i,
+        lambda: '{"id": "bad-json-' + str(i) + '", "messages": [',
         lambda: json.dumps({"id": f"no-user-{i}", "messages": [{"role": "system", "content": "x"}]}),
         lambda: json.dumps({"id": f"bad-role-{i}", "messages": [{"role": "wizard", "content": "hi"}]}),
         lambda: json.dumps({"id": f"empty-{i}", "messages": [{"role": "user", "content": "   "}]}),
@@ -287,8 +290,11 @@ class PrefectApi:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}/api"
+        # The repossessor frees the GPU-slot lease of a SIGKILLed run once it expires; checking every
+        # 2 s instead of 15 s makes a kill9 round's rerun wait ~the lease (60 s), not up to 75 s.
         env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                   DO_NOT_TRACK="1", PREFECT_API_URL=self.url)
+                   DO_NOT_TRACK="1", PREFECT_API_URL=self.url,
+                   PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="2")
         prefect = str(VENV_BIN / "prefect") if (VENV_BIN / "prefect").exists() else "prefect"
         log = open(self.home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -558,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", help=f"comma-separated subset of {','.join(FAULTS)} (in this order)")
     ap.add_argument("--quick", action="store_true", help="smaller datasets")
     ap.add_argument("--max-reruns", type=int, default=4)
-    ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds per `datagen run`")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per `datagen run`")
     ap.add_argument("--work-dir", help="keep round directories here (default: a temp dir, removed)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("--json", help="write the results here")

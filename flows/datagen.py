@@ -25,6 +25,7 @@ from typing import Any
 from prefect import flow
 from prefect.context import get_run_context
 
+from flows import runrecord
 from flows.gpulimit import gpu_slots, host_of
 from flows.hooks import cleanup_hook
 from flows.progress import Progress
@@ -87,7 +88,7 @@ def datagen(
         progress.start(*_committed(output))
         server = None
         try:
-            with gpu_slots([] if cfg.server_url else [target]):
+            with gpu_slots([] if cfg.server_url else [target], on_lease=lambda lease: runrecord.update(run_id, lease=lease)):
                 if cfg.server_url is None:
                     hygiene(target, host, "before-launch", cfg.hygiene_grace_s)
                     server = launch_server(cfg, target, host, plan, parser, run_id)

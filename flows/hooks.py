@@ -62,6 +62,13 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level = logger.info if verdict == "clean" else logger.error
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
+    lease = record.get("lease")
+    if lease:
+        from flows.gpulimit import release_lease
+
+        released = release_lease(lease)
+        logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
+        lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
     _artifact(flow_run.id, "\n".join(lines), logger)
     runrecord.update(run_id, cleanup={"state": state.name, "done": True})
 

@@ -1,15 +1,15 @@
 """Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
 
-Transport (measured by bench/bench_client.py against the emulator; figures in the README):
+Transport: raw aiohttp + orjson by default, chosen by measurement (bench/bench_client.py against
+the zero-latency emulator on 2 cores; figures in the README). httpx is the project's client per the
+design card, and both httpx variants stay selectable with ``ClientConfig.transport``:
 
-- ``"httpx-aiohttp"`` (default): httpx is the project's client, so requests are ``httpx.Request``
-  objects and responses ``httpx.Response``, sent through ``httpx_aiohttp.AiohttpTransport``. They go
-  straight to the transport: ``AsyncClient.send`` re-parses and merges the URL, headers and cookies
-  on every request, which cost ~40% of the client's CPU per row at 2,000 rows/s and buys nothing
-  here (no redirects, cookies or auth flows; the API key is a fixed header).
-- ``"httpx"``: ``httpx.AsyncClient`` with its default transport (httpcore): about 10x slower per
-  request on 2 cores; kept for comparison.
-- ``"aiohttp"``: raw aiohttp + orjson, the fastest; kept for comparison and as a fallback.
+- ``"aiohttp"`` (default): ~200 us of client CPU per row end to end (render, request, split,
+  journal), which keeps ``run_dataset`` at ~0.6-0.7x a bare aiohttp loop, above the 0.5x target;
+- ``"httpx-aiohttp"``: ``httpx.Request``/``httpx.Response`` sent straight to
+  ``httpx_aiohttp.AiohttpTransport`` (skipping ``AsyncClient.send``'s per-request URL/header/cookie
+  merging): ~285 us per row, ~0.5x the bare loop, so it misses the target on a loaded host;
+- ``"httpx"``: ``httpx.AsyncClient`` with its default transport (httpcore): ~10x slower per request.
 
 Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx,
 a 400 "Duplicate request ID" (a retry racing its own timed-out predecessor) and an ``abort`` finish
@@ -111,7 +111,7 @@ class ClientConfig:
     max_overload_retries: int = 100
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
-    transport: Transport = "httpx-aiohttp"
+    transport: Transport = "aiohttp"
     api_key: str | None = None
 
     def __post_init__(self) -> None:
