@@ -60,7 +60,7 @@ def api_healthy(url: str | None) -> bool:
 def ui_url() -> str | None:
     """The UI address when a real Prefect server (not the ephemeral API) is in use."""
     url = os.environ.get("PREFECT_API_URL")
-    return url.rstrip("/").removesuffix("/api") if api_healthy(url) else None
+    return url.rstrip("/").removesuffix("/api") if url and api_healthy(url) else None
 
 
 

@@ -86,13 +86,13 @@ def datagen(
     output = OutputDir(plan.out_dir)
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
         progress.start(*_committed(output))
-        server = None
+        server: Any = None  # tasks.server.ServerHandle while one runs
         try:
             with gpu_slots([] if cfg.server_url else [target], on_lease=lambda lease: runrecord.update(run_id, lease=lease)):
                 if cfg.server_url is None:
                     hygiene(target, host, "before-launch", cfg.hygiene_grace_s)
                     server = launch_server(cfg, target, host, plan, parser, run_id)
-                url = cfg.server_url or server.url
+                url = str(cfg.server_url or server.url)
                 health_check(url, host, cfg.api_key())
                 for name, path in cfg.datasets.items():
                     for attempt in range(cfg.max_relaunches + 1):

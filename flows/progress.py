@@ -58,7 +58,7 @@ class Progress:
         self.rows = already_rows
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-progress")
         try:
-            self._artifact = create_progress_artifact(
+            self._artifact = create_progress_artifact(  # type: ignore[assignment]
                 self._percent(), key=artifact_key("datagen-progress", self.partition),
                 description=self.describe(),
             )

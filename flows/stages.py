@@ -373,7 +373,7 @@ def validate(cfg: PartitionConfig, plan: RunPlan) -> dict[str, Any]:
         get_run_logger().warning("validation artifacts not published: %s", exc)
     passed = bool(report.ok)
     summary = report.summary()
-    get_run_logger().info("validation of %s: %s", plan.out_dir, summary)
+    get_run_logger().info("%s", summary)
     if not passed:
         if plan.version:
             mark_failed(plan.out_dir, summary)

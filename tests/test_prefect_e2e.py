@@ -34,8 +34,12 @@ class Api:
 
     def run(self, deployment: str, **params: Any) -> str:
         dep = self.http.get(f"/deployments/name/{deployment}").raise_for_status().json()
-        fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
-        return str(fr.raise_for_status().json()["id"])
+        deadline = time.monotonic() + 30
+        while True:  # SQLite under a loaded machine answers 503 now and then
+            fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
+            if fr.status_code != 503 or time.monotonic() > deadline:
+                return str(fr.raise_for_status().json()["id"])
+            time.sleep(0.5)
 
     def state(self, run_id: str) -> dict[str, Any]:
         return self.http.get(f"/flow_runs/{run_id}").raise_for_status().json()["state"] or {}
@@ -213,14 +217,17 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     assert json.loads(rec_path.read_text())["cleanup"]["state"] == "Crashed"
     assert not pid_alive(server_pid)
     assert all(g["used_mib"] == 0 for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"])
-    committed_before = len(list(out.glob("glaive_like/shard-*.parquet")))
-    assert committed_before < 6
+    manifest = json.loads((out / "_manifest.json").read_text())
+    before = manifest["datasets"]["glaive_like"]["shards"]
+    assert 1 <= len(before) < 6
     rerun = api.run("datagen/demo", partition=str(part))
     st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
     assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
     ids = _rows(out)["glaive_like"]
     assert len(ids) == len(set(ids)) == 300
-    assert f"{committed_before} resumed" in api.logs(rerun) or committed_before == 0
+    after = json.loads((out / "_manifest.json").read_text())["datasets"]["glaive_like"]["shards"]
+    assert len(after) == 6
+    assert {k: after[k] for k in before} == before  # committed shards were not redone
 
 
 def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[str, Any], tmp_path: Path) -> None:
