@@ -9,7 +9,9 @@ ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and s
 ``--server-url`` uses a running server (no launch, no hygiene on it).
 
 Exit codes: 0 the run completed (validation passed); 1 the run failed (launch, inference or
-validation; the message says which); 2 usage or configuration error.
+validation; the message says which); 2 usage or configuration error (a missing input names its
+path), or the output is locked by another run (refused at once, naming the lock holder), as
+`datagen resplit` does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from tasks.config import BACKENDS, ConfigError, load_partition, project_root
+from tasks.config import BACKENDS, ConfigError, PartitionConfig, load_partition, project_root
+from tasks.shards import OutputDir, OutputLocked
 
 
 # Prefect reads its settings when imported: these run before any Prefect import. Without
@@ -92,6 +95,10 @@ def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
         cfg = load_partition(partition).with_overrides(**overrides)
     except ConfigError as exc:
         return 2, exc
+    locked = _locked(cfg)
+    if locked is not None:
+        # Refuse before starting Prefect or touching a GPU: the other run owns this output.
+        return 2, locked
     setup_prefect_env()
     from flows.datagen import datagen
     from flows.gpulimit import ensure_limits, limit_name
@@ -102,9 +109,18 @@ def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
     if state.is_completed():
         return 0, state.result()
     err = state.result(raise_on_failure=False)
-    if isinstance(err, ConfigError):
+    if isinstance(err, ConfigError | OutputLocked):  # OutputLocked: taken between the check and the flow
         return 2, err
     return 1, err if isinstance(err, BaseException) else state.message
+
+
+def _locked(cfg: PartitionConfig) -> OutputLocked | None:
+    """``OutputLocked`` when a live process holds the lock of the output this run would write."""
+    if cfg.versioned:
+        return None  # the flow picks (or creates) the dated directory itself
+    out = OutputDir(cfg.output_root)
+    holder = out.lock_holder()
+    return OutputLocked(out.path / "_lock", holder) if holder is not None else None
 
 
 def main(argv: list[str]) -> int:
@@ -119,5 +135,6 @@ def main(argv: list[str]) -> int:
         if result.get("latest"):
             print(f"latest -> {result['out_dir']}")
     else:
-        print(f"datagen run: {'configuration error' if code == 2 else 'run failed'}: {result}", file=sys.stderr)
+        what = "refused" if isinstance(result, OutputLocked) else "configuration error" if code == 2 else "run failed"
+        print(f"datagen run: {what}: {result}", file=sys.stderr)
     return code

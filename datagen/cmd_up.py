@@ -7,8 +7,10 @@
      target of every partition, so two partitions never launch servers on one host;
   3. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``);
   4. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
-and prints the UI URL. Pids go to ``<project>/.run/*.pid`` (with process start times, so a recycled
-pid is never signalled); `down` stops exactly those processes and nothing else.
+and prints the UI URL and the next step (``export PREFECT_API_URL=...``, then a deployment run).
+The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200. Pids go to ``<project>/.run/*.pid``
+(``$DATAGEN_RUN_DIR`` or ``--run-dir`` elsewhere; with process start times, so a recycled pid is
+never signalled); `down` stops exactly those processes and nothing else.
 
 Exit codes: 0 done; 1 a step failed (the message says which, with the log's last lines);
 2 usage error.
@@ -236,7 +238,11 @@ def up(args: argparse.Namespace) -> int:
             print(f"worker: already running (pid {worker.pid})")
     ui = api_url.removesuffix("/api")
     print(f"Prefect UI: {ui}")
-    print("run a partition: prefect deployment run datagen/demo --watch   (stop all: make down)")
+    # The prefect CLI finds this server only through PREFECT_API_URL (without it, it would start an
+    # ephemeral API that knows no deployments): the next step says so, ready to paste.
+    print("next:")
+    print(f"  export PREFECT_API_URL={api_url}")
+    print("  .venv/bin/prefect deployment run datagen/demo --watch   (stop all: make down)")
     return 0
 
 

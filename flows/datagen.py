@@ -167,12 +167,14 @@ def _server_gone(exc: BaseException) -> bool:
 
 def _fingerprint(cfg: Any, parser: str | None, url: str) -> str:
     """What the generated text depends on: model, backend, parallelism and flags, not the port, pid
-    or memory fraction (a relaunch at a lower fraction produces the same rows)."""
+    or memory fraction (a relaunch at a lower fraction produces the same rows), nor the reasoning
+    parser: /generate returns the raw text whatever the parser, and the split is recorded per row
+    (``reasoning_parser``), so a rerun with a fixed ``--reasoning-parser`` continues the output."""
     import hashlib
     import json
 
     if cfg.server_url is not None:
         return f"external:{url}"
     s = cfg.server
-    doc = [cfg.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args), parser]
+    doc = [cfg.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args)]
     return f"{s.backend}:{hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:12]}"

@@ -42,6 +42,11 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     if record.get("shared_server") or params.get("server_url"):
         logger.info("cleanup hook (%s): shared server, GPUs are not ours to clean", state.name)
         return
+    if record.get("targets") is not None and not record.get("lease") and not record.get("servers"):
+        # The run stopped before it held `gpu:<host>` (e.g. another run holds the output's lock):
+        # whatever is on those GPUs belongs to another run, which cleaning would kill.
+        logger.info("cleanup hook (%s): the run never held a GPU slot; nothing of ours to clean", state.name)
+        return
     sim = record.get("sim_gpus")
     if sim and not os.environ.get("DATAGEN_SIM_GPUS"):
         # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.

@@ -5,7 +5,8 @@ fingerprint and the shard size (``InputChanged`` otherwise), undoes half-finishe
 streams the input once:
 
 - records of committed shards are skipped; in an open shard, ids already in the journal are skipped
-  (they are not regenerated);
+  (they are not regenerated; rows journaled under another reasoning parser are split again from their
+  raw text when the shard commits);
 - input rejects, over-long prompts (HTTP 400 from the server) and template failures are journaled
   as rejects; every finished generation is journaled as a row the moment it arrives;
 - when every record of a shard's slice is accounted for, the shard is committed (tasks.shards) in a
@@ -260,6 +261,7 @@ class _Driver:
         lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
         rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
                       key=lambda r: int(r.get("_pos", 0)))
+        rows = [self._with_current_split(r) for r in rows]
         rejects = [_public_reject(r) for _, r in sorted(contents.rejects.items()) if lo <= _ < hi]
         if len(rows) + len(rejects) != shard.expected:
             raise RuntimeError(
@@ -368,6 +370,17 @@ class _Driver:
         shard = self._open(index)
         shard.expected = expected
         self._maybe_commit(shard, tg)
+
+    def _with_current_split(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A journal row split with another parser (a rerun with a fixed ``--reasoning-parser``)
+        split again from its raw text, as `datagen resplit` does for committed shards: the raw text
+        does not depend on the parser, so the row need not be generated again."""
+        if row.get("reasoning_parser") == self.parser:
+            return row
+        think_in_prompt = self._opens_think(str(row["prompt"]))
+        reasoning, content = self._split(str(row["raw"]), think_in_prompt)
+        return {**row, "reasoning": reasoning, "content": content, "reasoning_parser": self.parser,
+                "think_in_prompt": think_in_prompt}
 
     def _opens_think(self, prompt: str) -> bool:
         if not self.parser:

@@ -239,7 +239,12 @@ def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[
     logs = api.logs(run)
     assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
     assert logs.count("Beginning flow run") <= 1 and "Retrying" not in logs  # neither flow nor task retried
-    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
+    rec_path = stack["base"] / "state" / "runs" / f"{run}.json"
+    deadline = time.monotonic() + 60
+    # Prefect reports FAILED before the on_failure hook has finished: wait for the hook's mark.
+    while "cleanup" not in (record := json.loads(rec_path.read_text())):
+        assert time.monotonic() < deadline, "failure hook did not run"
+        time.sleep(0.3)
     assert record["cleanup"]["state"] == "Failed"
     assert all(not pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "bad" / "_sim-gpus.json").snapshot()["gpus"])

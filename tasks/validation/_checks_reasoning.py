@@ -52,10 +52,17 @@ def measure_reasoning(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
         stats["missing_null"] = count_true(pc.and_(missing, pc.is_null(reasoning)))
         stats["missing_think_in_prompt"] = count_true(pc.and_(missing, tip))
         raw_missing = table.column("raw").filter(missing)
-        for _start, end in TAG_FAMILIES:
+        # think_in_prompt was computed with the run's parser: a wrong parser cannot see that the
+        # template opened another family's think block, so read the prompt text as well.
+        prompts = (pc.utf8_rtrim_whitespace(table.column("prompt").filter(missing))
+                   if "prompt" in table.column_names else None)
+        for start, end in TAG_FAMILIES:
             hits = count_true(pc.match_substring(raw_missing, end))
             if hits:
                 stats["tags_in_raw"][end] = hits
+                if prompts is not None:
+                    opened = count_true(pc.fill_null(pc.ends_with(prompts, start), False))
+                    stats["missing_think_in_prompt"] = max(stats["missing_think_in_prompt"], opened)
         stats["example"] = first_id(table, missing)
     return stats
 
