@@ -143,25 +143,27 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
     p = Plan(round=k, fault=fault, datasets=datasets, malformed=rng.randint(1, 3),
              shard_size=rng.choice((20, 25, 40, 50)), concurrency=rng.choice((8, 16, 32)),
              prompt_words=(4, 30), extra_args=list(FAST_EMU), data_seed=rng.randrange(1 << 30))
+    # Fault after N requests: N above the concurrency (a crash with every request still in flight
+    # makes no progress) and below the total (else the fault never fires).
+    n_lo = min(p.concurrency + 5, total // 2)
+    n_at = rng.randint(n_lo, max(n_lo, total - p.concurrency - 5))
     if fault == "kill9":
         if rng.random() < 0.25:
             p.kill_at_s = rng.uniform(0.5, 8.0)  # anywhere from Python start-up to mid-run
         else:
             p.kill_at_rows = rng.randint(1, max(1, total - 1))
     elif fault == "server_crash":
-        # more than the concurrency: a crash while every request is in flight makes no progress
-        p.extra_args += ["--emu-crash-after", str(p.concurrency + rng.randint(5, max(6, total // 2)))]
+        p.extra_args += ["--emu-crash-after", str(n_at)]
     elif fault == "runtime_oom":
         p.mem_fraction = 0.93
         p.concurrency = 64
         p.prompt_words = (60, 120)  # 64 prompts of 100+ tokens: a 2,048+ token prefill batch
     elif fault == "hang":
-        p.extra_args += ["--emu-hang-after", str(p.concurrency + rng.randint(5, max(6, total - 10)))]
+        p.extra_args += ["--emu-hang-after", str(n_at)]
     elif fault == "http_503":
         p.extra_args += ["--emu-503-rate", f"{rng.uniform(0.05, 0.3):.2f}", "--emu-seed", str(rng.randrange(1000))]
     elif fault == "orphan":
-        p.extra_args += ["--emu-orphan-on-crash", "--emu-crash-after",
-                         str(p.concurrency + rng.randint(5, max(6, total // 2)))]
+        p.extra_args += ["--emu-orphan-on-crash", "--emu-crash-after", str(n_at)]
     elif fault == "stale_holder":
         p.holder = {"gpu": rng.choice((0, 1)), "mib": rng.choice((20000, 50000, 90000)),
                     "children": rng.randint(0, 2)}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from datagen.cmd_run import run_flow, ui_url
 from tasks.config import ConfigError, load_partition
+from tasks.shards import OutputDir, OutputLocked
 
 
 def main(argv: list[str]) -> int:
@@ -38,6 +39,10 @@ def main(argv: list[str]) -> int:
         print(f"datagen demo: configuration error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out).resolve() if args.out else cfg.output_root
+    holder = OutputDir(out).lock_holder() if out.exists() else None
+    if holder is not None:  # another demo is writing there: leave its output alone
+        print(f"datagen demo: refused: {OutputLocked(out / '_lock', holder)}", file=sys.stderr)
+        return 2
     if not args.resume and (out / "_manifest.json").exists():
         shutil.rmtree(out)  # only ever a previous demo output (it has a datagen manifest)
     t0 = time.monotonic()
@@ -45,7 +50,8 @@ def main(argv: list[str]) -> int:
     code, result = run_flow("demo", {"out": str(out), "backend": "emulator"})
     elapsed = time.monotonic() - t0
     if code != 0:
-        print(f"datagen demo: {'configuration error' if code == 2 else 'failed'}: {result}", file=sys.stderr)
+        what = "refused" if isinstance(result, OutputLocked) else "configuration error" if code == 2 else "failed"
+        print(f"datagen demo: {what}: {result}", file=sys.stderr)
         print(f"elapsed: {elapsed:.1f} s", file=sys.stderr)
         return code
     manifest = json.loads((out / "_manifest.json").read_text())

@@ -22,14 +22,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import SimGpus
-from tasks.shards import OutputDir
+from tasks.shards import Journal, OutputDir
 from tasks.validation import validate_shard
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 DATAGEN = str(Path(sys.executable).parent / "datagen")
-ROWS, SHARD = 60, 20
-# Slow decoding a little (2 ms a step, ~48 tokens) so shard 1 cannot finish while shard 0's gate runs.
+ROWS, SHARD = 120, 60
+# Decoding at 2 ms a step (24-72 tokens a row) with 8 requests in flight: while shard 0's last row and
+# its gate finish, a few rows of shard 1 finish too (they stay journaled), but never all 60 of them.
 EMU_ARGS = ["--emu-load-time", "0.05", "--emu-graph-time", "0.02", "--emu-warmup-time", "0.05",
             "--emu-decode-ms-per-step", "2", "--emu-output-tokens", "48"]
 
@@ -68,7 +69,7 @@ extra_args = {json.dumps(EMU_ARGS)}
 
 [run]
 shard_size = {SHARD}
-concurrency = 4
+concurrency = 8
 hygiene_grace_s = 1
 
 [sampling]
@@ -142,7 +143,7 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     assert first.returncode == 1, first.stderr[-3000:]
     message = (
         f"reasoning empty in 100% of {SHARD} rows of shard 0 of prompts (e.g. id q-000): the prompt opens the "
-        "think block (chat template) and the raw output holds <think>…</think> blocks but parser is mistral; "
+        "think block (chat template) and the raw output uses the <think>…</think> format but parser is mistral; "
         "fix --reasoning-parser (deepseek-r1, qwen3, qwen3-thinking), then "
         f"`datagen resplit {out} --parser NAME` (also failing: tag_leak)"
     )
@@ -153,6 +154,11 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     report = json.loads((out / "_validation.json").read_text())
     assert report["verdict"] == "fail" and list(report["datasets"]["prompts"]["shards"]) == ["0"]
     _assert_nothing_left(model, sim, out)
+    # Rows of shard 1 that finished before the stop stay journaled, split with the wrong parser; the
+    # rerun must split them again (how many depends on timing: typically 3 or 4, rarely none).
+    journaled = Journal.read(OutputDir(out).journal_path("prompts", 1)).rows
+    print(f"rows of shard 1 journaled at the stop: {len(journaled)}")
+    assert all(r["reasoning_parser"] == "mistral" and r["reasoning"] is None for r in journaled.values())
     before = pq.read_table(out / "prompts" / "shard-00000.parquet")
     assert before.column("reasoning").null_count == SHARD
     assert all("</think>" in c for c in before.column("content").to_pylist())
@@ -181,6 +187,10 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     parsers = {p for f in (out / "prompts").glob("shard-*.parquet")
                for p in pq.read_table(f, columns=["reasoning_parser"]).column("reasoning_parser").to_pylist()}
     assert parsers == {"qwen3"}
+    rerun = {r["id"]: r for f in (out / "prompts").glob("shard-*.parquet") for r in pq.read_table(f).to_pylist()}
+    for row_id, row in journaled.items():  # kept, not generated again, and split with qwen3
+        assert rerun[row_id]["raw"] == row["raw"] and rerun[row_id]["latency_s"] == row["latency_s"]
+        assert rerun[row_id]["reasoning"] and rerun[row_id]["think_in_prompt"]
     _assert_nothing_left(model, sim, out)
 
     final = _datagen(env, "validate", str(out))

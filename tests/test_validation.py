@@ -79,7 +79,7 @@ def test_empty_reasoning_everywhere_stops_the_gate_with_one_message(tmp_path):
         gate_shard(out, "glaive", 0, Thresholds())
     assert err.value.message == (
         "reasoning empty in 100% of 500 rows of shard 0 of glaive (e.g. id glaive-000000): the prompt opens "
-        "the think block (chat template) and the raw output holds <think>…</think> blocks but parser is none; fix --reasoning-parser (deepseek-r1, qwen3, "
+        "the think block (chat template) and the raw output uses the <think>…</think> format but parser is none; fix --reasoning-parser (deepseek-r1, qwen3, "
         f"qwen3-thinking), then `datagen resplit {out} --parser NAME` (also failing: tag_leak)"
     )
     assert failing(err.value.report.checks) == ["reasoning_present", "tag_leak"]
@@ -130,7 +130,7 @@ def test_wrong_parser_family_leaks_and_misses_reasoning(tmp_path):
         gate_shard(out, "glaive", 0)
     assert err.value.message.startswith(
         "reasoning empty in 100% of 30 rows of shard 0 of glaive (e.g. id glaive-000000): the raw output "
-        "holds <think>…</think> blocks but parser is mistral; fix --reasoning-parser")
+        "uses the <think>…</think> format but parser is mistral; fix --reasoning-parser")
 
 
 def test_duplicates_across_shards(tmp_path):

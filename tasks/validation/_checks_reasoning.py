@@ -84,7 +84,7 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         fits = next(p for (st, en), p in TAG_FAMILIES.items() if en == end)
         opener = ("the prompt opens the think block (chat template) and "
                   if s["missing_think_in_prompt"] * 2 > bad else "")
-        cause = (f"{opener}the raw output holds {start}…{end} blocks but parser is {parser}; "
+        cause = (f"{opener}the raw output uses the {start}…{end} format but parser is {parser}; "
                  f"fix --reasoning-parser ({', '.join(fits[:3])}), then {resplit}")
         if parser != "none" and parser in fits:
             cause = (f"the raw output holds {end} but the split did not use it (parser {parser}, "
