@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from datagen._cli import parse_args
 from datagen.cmd_run import run_flow, ui_url
 from tasks.config import ConfigError, load_partition
 from tasks.shards import OutputDir, OutputLocked
@@ -29,10 +30,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="datagen demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="output directory (default: the demo partition's, data/out/demo)")
     p.add_argument("--resume", action="store_true", help="keep and resume the previous demo output")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    args = parse_args(p, argv)
+    if isinstance(args, int):
+        return args
     try:
         cfg = load_partition("demo")
     except ConfigError as exc:

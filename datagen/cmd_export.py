@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from datagen._cli import parse_args
 from tasks.export import FORMATS, ExportError, export
 from tasks.shards import ShardsError
 
@@ -31,10 +32,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     parser.add_argument("--include-truncated", action="store_true",
                         help="also export rows whose finish_reason is length/abort")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         if args.out is None:
             report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from datagen._cli import parse_args
 from tasks.export import ExportError, resplit
 from tasks.reasoning import PARSERS
 from tasks.shards import ShardsError
@@ -30,10 +31,9 @@ def main(argv: list[str]) -> int:
                         help=f"SGLang reasoning parser: {', '.join(PARSERS)}")
     parser.add_argument("--dry-run", action="store_true", help="count what would change, write nothing")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         report = resplit(args.out_dir, args.parser, dry_run=args.dry_run)
     except (ValueError, ExportError, ShardsError, OSError) as exc:

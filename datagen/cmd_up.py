@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from datagen._cli import parse_args
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 
 POOL = "gpu"
@@ -272,10 +273,9 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
         parser.add_argument("--api-url", help="use this running Prefect server instead of starting one")
         parser.add_argument("--no-worker", action="store_true", help="do not start a worker")
-    try:
-        args = parser.parse_args(rest)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    args = parse_args(parser, rest)
+    if isinstance(args, int):
+        return args
     if cmd == "down":
         return down(args)
     try:

@@ -5,7 +5,8 @@ Runs every check of tasks.validation over every committed shard and each dataset
 
 Exit codes:
   0  every check passed or only warned
-  1  a check failed
+  1  a check failed (an output whose input total is unknown, e.g. a run stopped before reading
+     its input to the end, fails ``complete``: it is not known to be complete)
   2  bad input: OUT_DIR missing or not a datagen output, or a bad threshold
 """
 

@@ -4,7 +4,9 @@ gate per committed shard) -> validate the output -> (nightly) promote `latest`.
 Thin by design: every line calls a stage task (flows/stages.py) or holds a lock. Recovery:
 - a server that dies or hangs mid-run (``ServerGone``): its log is classified, a runtime OOM is
   recorded so the relaunch starts lower, the server is stopped and cleaned, relaunched, and
-  inference resumes from the committed shards and journals (up to ``run.max_relaunches``);
+  inference resumes from the committed shards and journals. ``run.max_relaunches`` is a budget
+  for the whole run, shared by all its datasets (not per dataset): a server that keeps dying fails
+  the run after that many relaunches, however many datasets remain;
 - transient errors inside a task: task retries with backoff (``retry_condition_fn`` keeps
   validation failures and configuration errors from being retried);
 - the flow itself has no retries (Prefect retries a flow whatever the error, validation failures
@@ -13,7 +15,11 @@ Thin by design: every line calls a stage task (flows/stages.py) or holds a lock.
   partition's targets; the body's try/finally stops the server it started.
 
 Locks: the output directory's ``_lock`` (one writer per output) is taken before anything touches
-a GPU, then ``gpu:<host>`` (one server per host) while the server lives.
+a GPU, then ``gpu:<host>`` (one server per host) while the server lives. The slot's lease id and
+this flow process (host, pid, start time) go to the run record (flows/runrecord.py): the crash hook
+releases the lease of a run SIGKILLed under a worker, and, since a SIGKILLed plain `datagen run`
+gets no hook, every run first releases the leases of this machine's recorded runs whose flow
+process is dead, instead of waiting 60-75 s for them to expire.
 """
 
 from __future__ import annotations
@@ -68,8 +74,8 @@ def datagen(
     """Generate a partition's datasets. ``partition`` is a name in deployments/ or a TOML path;
     the other parameters override the partition config (see ``datagen run --help``).
 
-    Raises: ConfigError, OutputLocked, LaunchFailed, ServerGone (relaunches exhausted),
-    ValidationFailed, InputChanged."""
+    Raises: ConfigError, OutputLocked, LaunchFailed, ServerGone (the run's ``max_relaunches``
+    budget, shared by all datasets, exhausted), ValidationFailed, InputChanged."""
     from tasks.shards import OutputDir
 
     run_id = _flow_run_id()
@@ -87,26 +93,30 @@ def datagen(
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
         progress.start(*_committed(output))
         server: Any = None  # tasks.server.ServerHandle while one runs
+        relaunches = 0  # a budget per run, shared by every dataset
         try:
-            with gpu_slots([] if cfg.server_url else [target], on_lease=lambda lease: runrecord.update(run_id, lease=lease)):
+            if cfg.server_url is None:
+                _release_dead_leases(run_id)
+            with gpu_slots([] if cfg.server_url else [target], on_lease=_record_lease(run_id)):
                 if cfg.server_url is None:
                     hygiene(target, host, "before-launch", cfg.hygiene_grace_s)
                     server = launch_server(cfg, target, host, plan, parser, run_id)
                 url = str(cfg.server_url or server.url)
                 health_check(url, host, cfg.api_key())
                 for name, path in cfg.datasets.items():
-                    for attempt in range(cfg.max_relaunches + 1):
+                    while True:
                         try:
                             infer_dataset(cfg, name, path, plan, url, host, parser, progress, _fingerprint(cfg, parser, url),
                                           server)
                             break
                         except Exception as exc:
-                            if not _server_gone(exc) or server is None or attempt == cfg.max_relaunches:
+                            if not _server_gone(exc) or server is None or relaunches >= cfg.max_relaunches:
                                 raise
+                            relaunches += 1
                             diagnose_server(cfg, target, host, server, parser)
                             stop(server, host)
                             server = None
-                            hygiene(target, host, f"relaunch-{attempt + 1}", cfg.hygiene_grace_s)
+                            hygiene(target, host, f"relaunch-{relaunches}", cfg.hygiene_grace_s)
                             server = launch_server(cfg, target, host, plan, parser, run_id)
                             url = server.url
                 if server is not None:
@@ -120,6 +130,24 @@ def datagen(
         latest = promote(plan)
     return {"partition": cfg.name, "out_dir": str(plan.out_dir), "latest": latest,
             "shards": progress.done_shards, "rows": progress.rows, "validation": report["summary"]}
+
+
+def _record_lease(run_id: str | None) -> Any:
+    """``on_lease`` of gpu_slots: the lease and the process holding it, in the run record."""
+    def record(lease: str) -> None:
+        runrecord.update(run_id, lease=lease, owner=runrecord.owner(), lease_released=False)
+
+    return record
+
+
+def _release_dead_leases(run_id: str | None) -> None:
+    """Free the ``gpu:<host>`` leases of this machine's SIGKILLed runs (flows/runrecord.py)."""
+    from prefect import get_run_logger
+
+    from flows.gpulimit import release_lease
+
+    for lease in runrecord.release_dead_leases(release_lease, exclude=run_id):
+        get_run_logger().warning("released gpu slot lease %s of a dead run on this host", lease)
 
 
 def _flow_run_id() -> str | None:

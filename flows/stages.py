@@ -283,7 +283,7 @@ def infer_dataset(cfg: PartitionConfig, dataset: str, path: Path, plan: RunPlan,
     watchdog = HangWatchdog(server, cfg.hang_timeout_s, logger) if server is not None else None
     try:
         result = _run(run_dataset, DatasetSpec, dataset, path, plan, server_url, cfg, parser, server_fingerprint,
-                      on_shard_committed, on_progress, progress, host)
+                      on_shard_committed, on_progress, progress, host, server_liveness(server))
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -296,15 +296,37 @@ def infer_dataset(cfg: PartitionConfig, dataset: str, path: Path, plan: RunPlan,
 
 def _run(run_dataset: Any, DatasetSpec: Any, dataset: str, path: Path, plan: RunPlan, server_url: str,
          cfg: PartitionConfig, parser: str | None, server_fingerprint: str, on_shard_committed: Any,
-         on_progress: Any, progress: Progress, host: str) -> Any:
+         on_progress: Any, progress: Progress, host: str, server_alive: Any = None) -> Any:
     return run_dataset(
         DatasetSpec(name=dataset, path=Path(path)), plan.out_dir, server_url, model_dir=cfg.model_path,
         shard_size=cfg.shard_size, concurrency=cfg.concurrency, sampling=dict(cfg.sampling),
         reasoning_parser=parser, server_fingerprint=server_fingerprint,
         model_name=cfg.server.served_model_name or Path(cfg.model_path).name,
         on_shard_committed=on_shard_committed, progress=on_progress, api_key=cfg.api_key(),
-        run_info={"flow_run": progress.flow_run_id, "host": host},
+        run_info={"flow_run": progress.flow_run_id, "host": host}, server_alive=server_alive,
     )
+
+
+def server_liveness(server: Any) -> Any:
+    """The client's ``server_alive`` check for a server this run launched (None: a shared server,
+    whose process is not ours to watch). Local: the process itself. Remote: ``ps`` over SSH, and only
+    an answer from ``ps`` (exit 1, no such process) counts as dead; an SSH failure says nothing, so
+    it reads as alive and the client keeps its retry path."""
+    if server is None:
+        return None
+    if not getattr(server, "is_remote", False):
+        return server.is_alive
+
+    def remote_alive() -> bool:
+        from tasks.targets import parse_target, run_command
+
+        res = run_command(parse_target(server.target), ["ps", "-o", "stat=", "-p", str(server.pid)], timeout_s=10.0)
+        stat = res.stdout.strip()
+        if res.exited == 1 and not stat:
+            return False
+        return not stat.startswith("Z") if stat else True
+
+    return remote_alive
 
 
 class HangWatchdog:

@@ -17,6 +17,12 @@ are retried with exponential backoff and jitter, up to ``max_attempts``; then th
 considered gone. SGLang's 503 "The request queue is full." (alive, overloaded) is retried up to
 ``max_overload_retries`` more times before it counts. Other 4xx are never retried.
 
+Liveness: a client given ``server_alive`` (a callable, e.g. the launcher's ``ServerHandle.is_alive``)
+consults it when a request fails at the transport level (refused, reset, timeout). When the server
+process is known dead, retrying is pointless: ``ServerGone`` is raised at once (one check is shared by
+every request failing at the same moment) instead of after ``max_attempts`` backoffs (~9.5 s with
+the defaults). A live server, or a check that raises, keeps the retry path.
+
 Errors::
 
     ClientError
@@ -31,6 +37,7 @@ import asyncio
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -193,12 +200,21 @@ class _Transient(Exception):
 class GenerateClient:
     """One async HTTP client for a run: ``async with GenerateClient(url, cfg) as c: await c.generate(...)``.
 
-    Not thread-safe; use it from one event loop.
+    ``server_alive``: optional liveness check of the server process (module docstring); it may block
+    (an SSH round trip), so it runs in a worker thread. Not thread-safe; use it from one event loop.
     """
 
-    def __init__(self, base_url: str, config: ClientConfig | None = None) -> None:
+    # A liveness answer is reused this long by requests that fail at the same moment.
+    ALIVE_CHECK_TTL_S = 0.25
+
+    def __init__(self, base_url: str, config: ClientConfig | None = None,
+                 server_alive: Callable[[], bool] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.config = config or ClientConfig()
+        self._server_alive = server_alive
+        self._alive_check: asyncio.Future[bool] | None = None
+        self._alive_checked_at = 0.0
+        self._known_dead = False
         self.stats = ClientStats()
         self._httpx: httpx.AsyncClient | None = None
         self._aiohttp: aiohttp.ClientSession | None = None
@@ -299,13 +315,33 @@ class GenerateClient:
         """``/server_info`` (or the older ``/get_server_info``), None when neither answers."""
         return await self.get_json("/server_info") or await self.get_json("/get_server_info")
 
+    async def _process_dead(self) -> bool:
+        """True when ``server_alive`` says the server process is dead; False when alive, unknown
+        (no callable, or it raised) or still being checked by another request."""
+        if self._server_alive is None:
+            return False
+        if self._known_dead:
+            return True
+        now = time.monotonic()
+        check = self._alive_check
+        if check is None or (check.done() and now - self._alive_checked_at > self.ALIVE_CHECK_TTL_S):
+            check = self._alive_check = asyncio.ensure_future(asyncio.to_thread(self._server_alive))
+            self._alive_checked_at = now
+        try:
+            alive = await asyncio.shield(check)  # shared: one cancelled waiter must not cancel it
+        except Exception:  # a check that fails says nothing: keep retrying
+            return False
+        self._known_dead = alive is False
+        return self._known_dead
+
     # -- /generate ---------------------------------------------------------------------------------
 
     async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:
         """Generate for one prompt with retries (module docstring).
 
         Raises ``PromptTooLong`` (over-long prompt), ``RequestRejected`` (other 4xx), ``ServerGone``
-        (retries exhausted). An ``abort`` finish that persists through every attempt is returned.
+        (retries exhausted, or at the first transport error once ``server_alive`` says the process
+        is dead). An ``abort`` finish that persists through every attempt is returned.
         """
         cfg = self.config
         body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
@@ -324,6 +360,12 @@ class GenerateClient:
                 self.stats.count_error(exc.kind)
                 last = exc.detail
                 attempt += 1
+                if await self._process_dead():
+                    raise ServerGone(
+                        f"{self.base_url} stopped answering: its server process is dead (request {rid!r}: "
+                        f"{last})",
+                        last_error=last,
+                    ) from exc
                 continue
             latency = time.perf_counter() - started
             if status != 200:

@@ -484,6 +484,7 @@ async def run_dataset_async(
     api_key: str | None = None,
     client_config: ClientConfig | None = None,
     run_info: Mapping[str, Any] | None = None,
+    server_alive: Callable[[], bool] | None = None,
 ) -> DatasetResult:
     """The async form of :func:`run_dataset` (same arguments, same errors)."""
     from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
@@ -518,7 +519,7 @@ async def run_dataset_async(
         if model_name is None:
             model_name = str((info or {}).get("served_model_name") or (info or {}).get("model_path")
                              or (Path(model_dir).name if model_dir else "unknown"))
-        async with GenerateClient(server_url, cfg) as client:
+        async with GenerateClient(server_url, cfg, server_alive=server_alive) as client:
             driver = _Driver(
                 spec, out, client, shard_size=shard_size, concurrency=conc,
                 sampling=sampling if sampling is not None else DEFAULT_SAMPLING,
@@ -582,7 +583,9 @@ def run_dataset(spec: DatasetSpec, out_dir: str | Path, server_url: str, **kwarg
     (sampling_params; default max_new_tokens 4096), ``reasoning_parser`` ("auto": inferred from
     model_dir; None: no split), ``server_fingerprint``, ``model_name`` (None: from /server_info),
     ``on_shard_committed(ShardRecord)``, ``progress(ShardProgress)``, ``api_key``, ``client_config``
-    (timeouts/retries/transport), ``run_info`` (lock body: flow_run...).
+    (timeouts/retries/transport), ``run_info`` (lock body: flow_run...), ``server_alive`` (liveness of
+    the server process, e.g. ``ServerHandle.is_alive``: consulted on connection errors, so that a dead
+    server raises ``ServerGone`` at once instead of after every retry; see tasks.client).
 
     Raises ``ServerGone`` (with ``rows_done``/``result``), ``RequestRejected``, ``InputChanged``,
     ``OutputLocked``, ``tasks.prompts.TemplateError`` (template does not load), ``OSError`` (input
@@ -590,9 +593,9 @@ def run_dataset(spec: DatasetSpec, out_dir: str | Path, server_url: str, **kwarg
     event loop (it then runs the loop in a helper thread).
     """
     coro = run_dataset_async(spec, out_dir, server_url, **kwargs)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if not _loop_running():
+        # Outside the except clause of the loop probe: an error of the run must not carry the
+        # probe's "no running event loop" as its context.
         return asyncio.run(coro)
     box: dict[str, Any] = {}
 
@@ -608,6 +611,15 @@ def run_dataset(spec: DatasetSpec, out_dir: str | Path, server_url: str, **kwarg
     if "error" in box:
         raise box["error"]
     return box["result"]  # type: ignore[no-any-return]
+
+
+def _loop_running() -> bool:
+    """Whether this thread runs an event loop (``asyncio.run`` cannot be nested in it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _dataset_name(path: Path) -> str:

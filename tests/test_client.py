@@ -93,3 +93,38 @@ def test_error_messages_and_default_concurrency():
     assert default_concurrency({"max_running_requests": 2048}) == 1024
     with pytest.raises(ValueError, match="transport"):
         ClientConfig(transport="curl")  # type: ignore[arg-type]
+
+
+def test_server_alive_check_short_cuts_retries_only_for_a_dead_process():
+    url = f"http://127.0.0.1:{free_port()}"
+    calls: list[str] = []
+
+    def dead() -> bool:
+        calls.append("dead")
+        return False
+
+    def alive() -> bool:
+        calls.append("alive")
+        return True
+
+    def broken() -> bool:
+        calls.append("broken")
+        raise OSError("ssh: connection timed out")
+
+    async def go(check):
+        async with GenerateClient(url, ClientConfig(max_attempts=4, **FAST), server_alive=check) as c:
+            t0 = time.monotonic()
+            errs = await asyncio.gather(*(c.generate(PROMPT, {}, rid=f"x{i}") for i in range(8)),
+                                        return_exceptions=True)
+            return errs, c.stats, time.monotonic() - t0
+
+    errs, stats, took = _run(go(dead))
+    assert all(isinstance(e, ServerGone) for e in errs) and took < 1.0
+    assert stats.requests == 8 and stats.retries == 0  # no request was retried
+    assert 1 <= calls.count("dead") <= 2  # requests failing together share one check
+    assert str(errs[0]).startswith(f"{url} stopped answering: its server process is dead (request 'x")
+    assert errs[0].last_error and "failed" not in str(errs[0])
+    for check, name in ((alive, "alive"), (broken, "broken")):  # live or unknown: the retry path as before
+        errs, stats, _ = _run(go(check))
+        assert all(isinstance(e, ServerGone) and "failed 4 times" in str(e) for e in errs)
+        assert stats.requests == 32 and calls.count(name) >= 1

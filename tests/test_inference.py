@@ -10,7 +10,9 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.client import ClientConfig
+from tasks.client import ClientConfig, ServerGone
 from tasks.inference import DatasetSpec, InputChanged, OutputLocked, run_dataset
 from tasks.prompts import ChatTemplate
 from tasks.shards import Journal, OutputDir
@@ -276,3 +278,40 @@ def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp
         run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", dead, model_dir=DEMO_MODEL, shard_size=4,
                     reasoning_parser="nope")
     assert not (tmp_path / "out2").exists()
+
+
+def test_server_gone_traceback_is_a_clean_chain(tmp_path):
+    # run_dataset probes for a running event loop; that probe's RuntimeError must not head the chain.
+    from tests.fixtures.common import free_port
+
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 4)
+    with pytest.raises(ServerGone) as e:
+        run(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}")
+    text = "".join(traceback.format_exception(e.value))
+    assert "no running event loop" not in text, text
+    chain, exc = [], e.value
+    while exc is not None:
+        chain.append(type(exc).__name__)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    assert "RuntimeError" not in chain and chain[0] == "ServerGone", chain
+
+
+@pytest.mark.slow
+def test_dead_server_process_raises_server_gone_at_once(tmp_path, sim_gpus, emulator_factory):
+    # Default client settings (6 attempts, 0.5 s backoff base: ~9.5 s of retries on "refused"); the
+    # liveness check turns the crash into ServerGone without those retries.
+    em = emulator_factory(EMU_ARGS + ["--emu-crash-after", "60"])
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 200)
+    crashed: list[float] = []
+    watcher = threading.Thread(target=lambda: (em.proc.wait(), crashed.append(time.monotonic())), daemon=True)
+    watcher.start()
+    with pytest.raises(ServerGone) as e:
+        run(inp, tmp_path / "out", em.url, shard=32, client_config=ClientConfig(),
+            server_alive=lambda: em.proc.poll() is None)
+    gone = time.monotonic()
+    watcher.join(timeout=5)
+    assert crashed and gone - crashed[0] < 2.0, f"ServerGone {gone - crashed[0]:.2f} s after the crash"
+    assert "its server process is dead" in str(e.value) and "rerun to resume" in str(e.value)
+    assert "no running event loop" not in "".join(traceback.format_exception(e.value))

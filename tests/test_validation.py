@@ -411,6 +411,31 @@ def test_gate_before_the_input_total_is_known(tmp_path):
     assert {k: v["verdict"] for k, v in doc["datasets"]["glaive"]["shards"].items()} == {"0": "pass", "1": "warn"}
 
 
+def test_final_validation_fails_when_the_input_total_is_unknown(tmp_path, capsys):
+    # The same mid-run output validated as final: its total is unknown, so it is not known complete.
+    out = write_output(tmp_path / "out", {"glaive": [clean_rows("glaive", 50), clean_rows("glaive", 20, 50)]},
+                       shard_size=50, total_rows={"glaive": None}, num_shards={"glaive": None})
+    report = validate_output(out)
+    assert report.verdict == "fail"
+    complete = total(report)["complete"]
+    assert complete.status == "fail"
+    assert complete.message == (
+        "glaive: the input's size is unknown (the manifest lacks num_shards: the run never read the input "
+        "to the end); 2 shard(s), 70 rows + 0 rejects committed so far; finish the run (`datagen run` resumes)")
+    assert cmd_validate.main([str(out)]) == 1
+    assert "the input's size is unknown" in capsys.readouterr().out
+
+
+def test_output_with_no_shard_and_unknown_total_fails(tmp_path):
+    # The field case: 0 of 118 rows, the run stopped before its input was read to the end.
+    out = write_output(tmp_path / "out", {"glaive": []}, shard_size=50,
+                       total_rows={"glaive": None}, num_shards={"glaive": None})
+    report = validate_output(out)
+    assert report.verdict == "fail" and report.rows == 0
+    assert failing(total(report).values()) == ["complete"]
+    assert cmd_validate.main([str(out)]) == 1
+
+
 ARTIFACT_SCRIPT = """
 import json, sys
 from prefect import flow

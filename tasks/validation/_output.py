@@ -183,7 +183,8 @@ def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: i
 
 # --------------------------------------------------------------------------------------- datasets
 def _dataset_complete(name: str, entry: Mapping[str, Any], shards: list[ShardValidation]) -> Check:
-    """Every shard committed, rows + rejects = input rows, no shard incomplete."""
+    """Every shard committed, rows + rejects = input rows, no shard incomplete. An unknown total
+    (``num_shards`` missing: the input was never read to the end) fails: this is final validation."""
     num_shards = entry.get("num_shards")
     total_rows = entry.get("total_rows")
     committed = len(shards)
@@ -203,8 +204,12 @@ def _dataset_complete(name: str, entry: Mapping[str, Any], shards: list[ShardVal
     if problems:
         return Check("complete", "fail", committed, num_shards, "; ".join(problems), committed, rows)
     if not isinstance(num_shards, int):
-        return Check("complete", "unknown", committed, None, "cannot check: manifest lacks num_shards",
-                     committed, rows)
+        # Final validation: an input never read to the end may hold any number of rows more, so the
+        # output is not known complete and must not pass (gate_shard, mid-run, judges shards only).
+        return Check("complete", "fail", committed, None,
+                     f"{name}: the input's size is unknown (the manifest lacks num_shards: the run never "
+                     f"read the input to the end); {committed} shard(s), {rows} rows + {rejects} rejects "
+                     f"committed so far; finish the run (`datagen run` resumes)", committed, rows)
     return Check("complete", "pass", committed, num_shards,
                  f"{committed} of {num_shards} shards, {rows} rows + {rejects} rejects", committed, rows)
 

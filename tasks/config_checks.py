@@ -1,0 +1,123 @@
+"""Value checks for partition configs: each names the file (or "override") and the key it rejects.
+
+Shared by the TOML loader (tasks.config_load) and command-line overrides (tasks.config_model). Each
+check takes the value, ``f`` (the file, or "override") and the key; it returns the value with its
+checked type and raises ``ConfigError`` ("<f>: <key>: <what is wrong>") otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "check_target",
+    "fraction",
+    "no_unknown",
+    "nonneg_float",
+    "nonneg_int",
+    "opt_pos_int",
+    "opt_str",
+    "parser_name",
+    "positive_int",
+    "resolve_path",
+    "table",
+]
+
+
+class ConfigError(ValueError):
+    """A partition config (or an override) is missing, unreadable or invalid; the message names
+    the file and the key."""
+
+
+def check_target(raw: str, f: str) -> None:
+    """A target string tasks.targets accepts (local, ssh://…, pct://…)."""
+    try:
+        from tasks.targets import TargetError, parse_target
+    except ImportError:  # hygiene module not installed yet: accept the documented shapes
+        if raw != "local" and not raw.startswith(("ssh://", "pct://")):
+            raise ConfigError(f"{f}: server.targets: {raw!r} is not local, ssh://… or pct://…") from None
+        return
+    try:
+        parse_target(raw)
+    except TargetError as exc:
+        raise ConfigError(f"{f}: server.targets: {exc}") from exc
+
+
+def parser_name(value: Any, f: str, key: str) -> str:
+    """A reasoning parser name SGLang knows (tasks.reasoning.PARSERS)."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{f}: {key}: must be a parser name")
+    try:
+        from tasks.reasoning import PARSERS
+    except ImportError:
+        return value
+    if value not in PARSERS:
+        known = ", ".join(sorted(PARSERS))
+        raise ConfigError(f"{f}: {key}: unknown reasoning parser {value!r} (known: {known})")
+    return value
+
+
+def table(data: dict[str, Any], key: str, f: str) -> dict[str, Any]:
+    """The TOML table ``[key]`` of ``data`` ({} when absent)."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{f}: [{key}]: must be a table")
+    return value
+
+
+def no_unknown(table: dict[str, Any], allowed: set[str], f: str, prefix: str) -> None:
+    """Reject the first key of ``table`` not in ``allowed`` (a typo must not be ignored)."""
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{f}: {prefix}{unknown[0]}: unknown key (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    """An absolute path: ``$VARS`` and ``~`` expanded, relative paths taken from ``base``."""
+    p = Path(os.path.expandvars(value)).expanduser()
+    return (p if p.is_absolute() else base / p).resolve()
+
+
+def positive_int(value: Any, f: str, key: str) -> int:
+    """An int >= 1 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a positive integer")
+    return value
+
+
+def nonneg_int(value: Any, f: str, key: str) -> int:
+    """An int >= 0 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a non-negative integer")
+    return value
+
+
+def opt_pos_int(value: Any, f: str, key: str) -> int | None:
+    """None, or an int >= 1."""
+    return None if value is None else positive_int(value, f, key)
+
+
+def nonneg_float(value: Any, f: str, key: str) -> float:
+    """A number >= 0, as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a non-negative number")
+    return float(value)
+
+
+def fraction(value: Any, f: str, key: str) -> float:
+    """A number strictly between 0 and 1, as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a fraction between 0 and 1")
+    return float(value)
+
+
+def opt_str(value: Any, f: str, key: str) -> str | None:
+    """None, or a non-empty string."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{f}: {key}: must be a non-empty string")
+    return value

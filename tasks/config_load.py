@@ -1,0 +1,239 @@
+"""Finding and loading partition files: ``deployments/<name>.toml`` (or any path) into a PartitionConfig.
+
+The file layout is documented in tasks.config. Relative paths in a file are resolved against the
+project root (the parent of the ``deployments/`` folder holding it, else the file's folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from tasks.config_checks import (
+    ConfigError,
+    check_target,
+    fraction,
+    no_unknown,
+    nonneg_float,
+    nonneg_int,
+    opt_pos_int,
+    opt_str,
+    parser_name,
+    positive_int,
+    resolve_path,
+    table,
+)
+from tasks.config_model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings, check_model
+
+__all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
+
+
+def project_root() -> Path:
+    """The datagen checkout: ``$DATAGEN_HOME`` when set, else the folder above this package."""
+    env = os.environ.get("DATAGEN_HOME")
+    return Path(env).resolve() if env else Path(__file__).resolve().parent.parent
+
+
+def deployments_dir() -> Path:
+    """The folder of partition files: ``<project root>/deployments``."""
+    return project_root() / "deployments"
+
+
+def state_dir() -> Path:
+    """Where datagen keeps state between runs (``$DATAGEN_STATE_DIR``, default
+    ``~/.local/state/datagen``), shared with tasks.tuner's fraction memory."""
+    env = os.environ.get("DATAGEN_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "datagen"
+
+
+def list_partitions() -> list[str]:
+    """Names of the partition files in ``deployments/``."""
+    return sorted(p.stem for p in deployments_dir().glob("*.toml"))
+
+
+_TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
+_MODEL_KEYS = {"path", "reasoning_parser"}
+_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s"}
+_OUTPUT_KEYS = {"root", "versioned"}
+_SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
+_SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSettings)}
+
+
+def load_partition(name_or_path: str | os.PathLike[str]) -> PartitionConfig:
+    """Load and validate a partition: a name in ``deployments/`` or a path to a TOML file.
+
+    Raises ``ConfigError`` naming the file and key for a missing file, bad TOML, unknown keys,
+    wrong types or values out of range."""
+    raw = str(name_or_path)
+    path = Path(raw).expanduser()
+    if not (raw.endswith(".toml") or os.sep in raw):
+        path = deployments_dir() / f"{raw}.toml"
+    if not path.is_file():
+        known = ", ".join(list_partitions()) or "none"
+        raise ConfigError(f"{path}: no such partition config (known partitions: {known})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    path = path.resolve()
+    base = path.parent.parent if path.parent.name == "deployments" else path.parent
+    return _parse(data, path, base)
+
+
+def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
+    f = str(path)
+    no_unknown(data, _TOP_KEYS, f, "")
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{f}: name: must be a non-empty string")
+
+    ds_raw = data.get("datasets")
+    if not isinstance(ds_raw, dict) or not ds_raw:
+        raise ConfigError(f"{f}: [datasets]: at least one `name = \"path\"` entry is required")
+    datasets: dict[str, Path] = {}
+    for ds_name, ds_path in ds_raw.items():
+        key = f"datasets.{ds_name}"
+        if not ds_name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{f}: {key}: dataset names use letters, digits, '_' and '-'")
+        if not isinstance(ds_path, str):
+            raise ConfigError(f"{f}: {key}: must be a path string")
+        p = resolve_path(ds_path, base)
+        if not p.is_file():
+            raise ConfigError(f"{f}: {key}: input file {p} does not exist")
+        datasets[ds_name] = p
+
+    model = table(data, "model", f)
+    no_unknown(model, _MODEL_KEYS, f, "model.")
+    model_path = model.get("path")
+    if not isinstance(model_path, str) or not model_path:
+        raise ConfigError(f"{f}: model.path: required (a model directory)")
+    model_path = str(resolve_path(model_path, base))
+    parser = model.get("reasoning_parser")
+    if parser is not None:
+        parser = parser_name(parser, f, "model.reasoning_parser")
+
+    server = _parse_server(table(data, "server", f), f)
+
+    sim = None
+    if "sim_gpus" in data:
+        s = table(data, "sim_gpus", f)
+        no_unknown(s, _SIM_KEYS, f, "sim_gpus.")
+        sim = SimGpuSettings(
+            count=positive_int(s.get("count", 8), f, "sim_gpus.count"),
+            total_mib=positive_int(s.get("total_mib", 97887), f, "sim_gpus.total_mib"),
+            name=opt_str(s.get("name"), f, "sim_gpus.name"),
+            release_delay_s=nonneg_float(s.get("release_delay_s", 0.0), f, "sim_gpus.release_delay_s"),
+        )
+        if server.backend != "emulator":
+            raise ConfigError(f"{f}: sim_gpus: simulated GPUs need server.backend = \"emulator\"")
+
+    run = table(data, "run", f)
+    no_unknown(run, _RUN_KEYS, f, "run.")
+    server_url = opt_str(run.get("server_url"), f, "run.server_url")
+    if server_url is not None and not server_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
+
+    sampling = table(data, "sampling", f)
+    for k, v in sampling.items():
+        if not isinstance(v, (int, float, str, bool, list)):
+            raise ConfigError(f"{f}: sampling.{k}: unsupported value {v!r}")
+    validation = table(data, "validation", f)
+    for k, v in validation.items():
+        if not isinstance(v, (int, float, bool, str, list)):
+            raise ConfigError(f"{f}: validation.{k}: unsupported value {v!r}")
+
+    output = table(data, "output", f)
+    no_unknown(output, _OUTPUT_KEYS, f, "output.")
+    root = output.get("root", f"data/out/{name}")
+    if not isinstance(root, str) or not root:
+        raise ConfigError(f"{f}: output.root: must be a path string")
+    versioned = output.get("versioned", False)
+    if not isinstance(versioned, bool):
+        raise ConfigError(f"{f}: output.versioned: must be true or false")
+
+    cfg = PartitionConfig(
+        name=name,
+        source=path,
+        datasets=datasets,
+        model_path=model_path,
+        server=server,
+        reasoning_parser=parser,
+        shard_size=positive_int(run.get("shard_size", 100), f, "run.shard_size"),
+        concurrency=positive_int(run.get("concurrency", 32), f, "run.concurrency"),
+        max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
+        hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
+        hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
+        sampling=dict(sampling),
+        validation=dict(validation),
+        output_root=resolve_path(root, base),
+        versioned=versioned,
+        sim_gpus=sim,
+        server_url=server_url.rstrip("/") if server_url else None,
+    )
+    check_model(cfg, f)
+    return cfg
+
+
+def _parse_server(s: dict[str, Any], f: str) -> ServerSettings:
+    no_unknown(s, _SERVER_KEYS, f, "server.")
+    backend = s.get("backend", "sglang")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{f}: server.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    targets = s.get("targets", ["local"])
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(f"{f}: server.targets: a non-empty list of target strings")
+    for t in targets:
+        check_target(t, f)
+    if len(set(targets)) != len(targets):
+        raise ConfigError(f"{f}: server.targets: a target is listed twice (one server per GPU host)")
+    gpus = s.get("gpus")
+    if gpus is not None:
+        if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
+            raise ConfigError(f"{f}: server.gpus: a list of GPU indices")
+        gpus = tuple(gpus)
+    extra = s.get("extra_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise ConfigError(f"{f}: server.extra_args: a list of strings")
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise ConfigError(f"{f}: server.extra_args: never put --api-key here; use server.api_key_secret")
+    env = s.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise ConfigError(f"{f}: server.env: a table of string values")
+    port = s.get("port", 0)
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"{f}: server.port: {port!r} is not a TCP port (0 = a free one)")
+    host = s.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"{f}: server.host: must be a host string")
+    tp = positive_int(s.get("tp_size", 1), f, "server.tp_size")
+    if gpus is not None and len(gpus) < tp:
+        raise ConfigError(f"{f}: server.gpus: {len(gpus)} GPUs listed for tp_size {tp}")
+    frac = s.get("mem_fraction_static")
+    return ServerSettings(
+        backend=backend,
+        targets=tuple(targets),
+        tp_size=tp,
+        host=host,
+        port=port,
+        mem_fraction_static=None if frac is None else fraction(frac, f, "server.mem_fraction_static"),
+        served_model_name=opt_str(s.get("served_model_name"), f, "server.served_model_name"),
+        context_length=opt_pos_int(s.get("context_length"), f, "server.context_length"),
+        max_running_requests=opt_pos_int(s.get("max_running_requests"), f, "server.max_running_requests"),
+        chunked_prefill_size=opt_pos_int(s.get("chunked_prefill_size"), f, "server.chunked_prefill_size"),
+        enable_hierarchical_cache=bool(s.get("enable_hierarchical_cache", False)),
+        hicache_size=s.get("hicache_size"),
+        hicache_ratio=s.get("hicache_ratio"),
+        gpus=gpus,
+        extra_args=tuple(extra),
+        env=dict(env),
+        api_key_secret=opt_str(s.get("api_key_secret"), f, "server.api_key_secret"),
+        hub_token_secret=opt_str(s.get("hub_token_secret"), f, "server.hub_token_secret"),
+        launch_deadline_s=nonneg_float(s.get("launch_deadline_s", 900.0), f, "server.launch_deadline_s"),
+        python=opt_str(s.get("python"), f, "server.python"),
+    )
+

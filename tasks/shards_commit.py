@@ -1,0 +1,79 @@
+"""What a shard commit writes: the Parquet file (ROW_SCHEMA, atomic) and the dataset's reject lines.
+
+``tasks.shards.OutputDir.commit_shard`` calls these in the documented order (rejects, Parquet,
+manifest, journal removal); each call is durable when it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
+from tasks.shards_fs import append_durable, atomic_write_bytes
+
+__all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
+
+
+def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    """Build a ROW_SCHEMA table from row dicts (journal form: ``generated_at`` as ISO text).
+
+    Raises ``pyarrow.ArrowInvalid``/``KeyError`` when a row lacks a column or has a wrong type.
+    """
+    cols: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
+    for row in rows:
+        for name, values in cols.items():
+            values.append(row[name] if name != "generated_at" else _parse_ts(row[name]))
+    return pa.table(cols, schema=ROW_SCHEMA)
+
+
+def _parse_ts(value: Any) -> Any:
+    if isinstance(value, str):
+        return dt.datetime.fromisoformat(value)
+    return value
+
+
+def write_parquet(final: Path, table: pa.Table) -> str:
+    """Write ``table`` (cast to ROW_SCHEMA) to ``final`` atomically; returns the file's sha256.
+
+    Raises ``OSError``, or ``pyarrow.ArrowInvalid`` when the table cannot be cast to ROW_SCHEMA.
+    """
+    if table.schema != ROW_SCHEMA:
+        table = table.select(list(ROW_SCHEMA.names)).cast(ROW_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=PARQUET_COMPRESSION)
+    data = sink.getvalue().to_pybytes()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(final, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def append_rejects(path: Path, index: int, rejects: list[dict[str, Any]]) -> None:
+    """Append ``rejects`` to the dataset's reject file, tagged with shard ``index``, and fsync.
+
+    Raises ``OSError``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_durable(path, b"".join(orjson.dumps({**r, "shard": index}) + b"\n" for r in rejects))
+
+
+def read_rejects(path: Path) -> list[dict[str, Any]]:
+    """The reject records in ``path`` (none when missing; torn lines skipped)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data.split(b"\n"):
+        if line.strip():
+            with contextlib.suppress(orjson.JSONDecodeError):
+                out.append(orjson.loads(line))
+    return out

@@ -1,0 +1,167 @@
+"""The manifest (``OUT/_manifest.json``): shard size, inputs and committed shards of an output.
+
+Keys the validator may rely on: ``shard_size``, ``datasets.<name>.{input, input_fingerprint,
+total_rows, num_shards, complete, shards.<k>.{file, rows, rejects, sha256, committed_at}}``.
+
+These functions read and edit the manifest as a dict; ``tasks.shards.OutputDir`` decides when to
+write it (under the lock) and in which order relative to the shard files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tasks.shards_errors import InputChanged, ManifestError
+from tasks.shards_fs import atomic_write_bytes, utc_now_iso
+
+__all__ = [
+    "MANIFEST_FILE",
+    "MANIFEST_VERSION",
+    "CommittedShard",
+    "ShardRecord",
+    "add_shard",
+    "bind_dataset",
+    "check_shard_size",
+    "committed_indices",
+    "iter_shard_records",
+    "new_manifest",
+    "read_manifest",
+    "set_totals",
+    "write_manifest",
+]
+
+MANIFEST_VERSION = 1
+MANIFEST_FILE = "_manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A committed shard, as the manifest records it (``file`` is relative to the output dir)."""
+
+    dataset: str
+    index: int
+    file: str
+    rows: int
+    rejects: int
+    sha256: str
+    committed_at: str
+    path: Path = field(compare=False)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "rows": self.rows,
+            "rejects": self.rejects,
+            "sha256": self.sha256,
+            "committed_at": self.committed_at,
+        }
+
+
+CommittedShard = ShardRecord
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest at ``path``, or None when there is none yet. Raises ``ManifestError`` if unreadable."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or "shard_size" not in manifest:
+        raise ManifestError(f"{path} has no shard_size")
+    manifest.setdefault("datasets", {})
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Stamp ``updated_at`` and replace the manifest atomically. Raises ``OSError``."""
+    manifest["updated_at"] = utc_now_iso()
+    atomic_write_bytes(path, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+
+
+def new_manifest(shard_size: int) -> dict[str, Any]:
+    """An empty manifest for an output written with ``shard_size``."""
+    return {"version": MANIFEST_VERSION, "shard_size": shard_size, "created_at": utc_now_iso(),
+            "datasets": {}}
+
+
+def check_shard_size(manifest: dict[str, Any], shard_size: int, out_path: Path) -> None:
+    """Raises ``InputChanged`` when the output at ``out_path`` was written with another shard size."""
+    if int(manifest["shard_size"]) != shard_size:
+        raise InputChanged(
+            f"shard size of {out_path}",
+            int(manifest["shard_size"]),
+            shard_size,
+            f"rerun with --shard-size {manifest['shard_size']} to resume this output, "
+            f"or write to a new --out",
+        )
+
+
+def bind_dataset(
+    manifest: dict[str, Any], dataset: str, input_path: str, input_fingerprint: str
+) -> tuple[dict[str, Any], bool]:
+    """The dataset's entry, added when new: ``(entry, added)``.
+
+    Raises ``InputChanged`` when the dataset was recorded with another input fingerprint.
+    """
+    entry = manifest["datasets"].get(dataset)
+    if entry is None:
+        entry = {"input": input_path, "input_fingerprint": input_fingerprint, "total_rows": None,
+                 "num_shards": None, "complete": False, "shards": {}}
+        manifest["datasets"][dataset] = entry
+        return entry, True
+    if entry.get("input_fingerprint") != input_fingerprint:
+        raise InputChanged(
+            f"input of dataset {dataset!r} ({entry.get('input')} -> {input_path}) changed; fingerprint",
+            entry.get("input_fingerprint"),
+            input_fingerprint,
+            "committed shards are fixed slices of the original input: restore that input "
+            "to resume, or write the new input to a new --out",
+        )
+    return entry, False
+
+
+def set_totals(manifest: dict[str, Any], dataset: str, total_rows: int) -> None:
+    """Record the input's record count, the shard count it implies and whether all are committed."""
+    entry = manifest["datasets"][dataset]
+    size = int(manifest["shard_size"])
+    entry["total_rows"] = total_rows
+    entry["num_shards"] = (total_rows + size - 1) // size
+    entry["complete"] = len(entry["shards"]) >= entry["num_shards"]
+
+
+def add_shard(manifest: dict[str, Any], record: ShardRecord) -> None:
+    """Record a committed shard (and the dataset's completeness, once its shard count is known)."""
+    entry = manifest["datasets"][record.dataset]
+    entry["shards"][str(record.index)] = record.to_manifest()
+    if entry.get("num_shards") is not None:
+        entry["complete"] = len(entry["shards"]) >= entry["num_shards"]
+
+
+def committed_indices(manifest: dict[str, Any] | None, dataset: str) -> set[int]:
+    """Indices of the committed shards of ``dataset`` (none without a manifest or entry)."""
+    entry = (manifest or {"datasets": {}})["datasets"].get(dataset) or {}
+    return {int(k) for k in entry.get("shards", {})}
+
+
+def iter_shard_records(
+    manifest: dict[str, Any] | None, root: Path, dataset: str | None = None
+) -> Iterator[ShardRecord]:
+    """Every committed shard (of ``dataset``, or of all datasets), in dataset then index order."""
+    datasets = (manifest or {"datasets": {}})["datasets"]
+    for name in sorted(datasets):
+        if dataset is not None and name != dataset:
+            continue
+        shards = datasets[name].get("shards", {})
+        for key in sorted(shards, key=int):
+            s = shards[key]
+            yield ShardRecord(name, int(key), s["file"], int(s["rows"]), int(s.get("rejects", 0)),
+                              s["sha256"], s["committed_at"], root / s["file"])
