@@ -30,8 +30,10 @@ exact token and then killed by pid), simulated GPU memory all released.
 
 Replay: the parameters of round K depend only on (seed, K): ``--seed S --round K`` reruns it.
 All rounds share one Prefect server (started here, stopped by pid at the end), as under `datagen up`.
-A kill9 round's rerun waits for the killed run's ``gpu:<host>`` slot lease to expire (flows/gpulimit.py,
-60 s; nothing releases it after a SIGKILL), so such a round takes about 70 s longer than the others.
+A kill9 round's rerun does not wait for the killed run's ``gpu:<host>`` slot lease to expire (60 s):
+the new run releases the leases of this host's recorded runs whose flow process is dead
+(flows/runrecord.py), and a crashed server is noticed at its first refused request (the client's
+liveness check), not after ~9.5 s of retries.
 
 Exit codes: 0 every round passed; 1 a round lost or duplicated a row, failed validation, did not
 complete, or left a process or GPU memory behind; 2 usage error or the harness could not start.
@@ -292,8 +294,8 @@ class PrefectApi:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}/api"
-        # The repossessor frees the GPU-slot lease of a SIGKILLed run once it expires; checking every
-        # 2 s instead of 15 s makes a kill9 round's rerun wait ~the lease (60 s), not up to 75 s.
+        # The repossessor frees an expired GPU-slot lease; checking every 2 s instead of 15 s bounds
+        # the wait if a SIGKILLed run's lease was not recorded (killed between acquiring and recording).
         env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                    DO_NOT_TRACK="1", PREFECT_API_URL=self.url,
                    PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="2")

@@ -6,15 +6,18 @@ This module runs *on the GPU host*. For the local target `tasks.hygiene` imports
 standard library only at import time (``pynvml`` and ``emulator.simgpu`` are imported lazily and are
 optional), no imports from the rest of datagen, and every request/answer is plain JSON.
 
-GPU discovery, first that works:
-  1. NVML (``pynvml`` from nvidia-ml-py) when a driver is present;
-  2. ``nvidia-smi`` CSV when the binary is on PATH (the usual path on remote targets);
-  3. simulated GPUs when ``DATAGEN_SIM_GPUS`` is set (`emulator.simgpu`);
-  4. otherwise an ``error`` saying "no NVIDIA driver and no simulated GPUs" (the verdict is then
-     unknown, never clean).
+GPU discovery:
+  - when ``DATAGEN_SIM_GPUS`` is set, simulated GPUs only (`emulator.simgpu`): simulation is an
+    explicit opt-in, and a demo or test run on a real GPU host must never see, let alone kill, the
+    processes that hold the host's real GPUs;
+  - otherwise the first that works of NVML (``pynvml`` from nvidia-ml-py) and ``nvidia-smi`` CSV
+    (the usual path on remote targets), else an ``error`` saying "no NVIDIA driver and no simulated
+    GPUs" (the verdict is then unknown, never clean).
 Independently, every process's ``/proc/<pid>/fd`` is scanned for ``/dev/nvidia*`` links: that finds
 holders NVML hides (other PID namespaces, orphans reparented to PID 1). psutil's ``open_files()``
-does not list device files, and psutil is not stdlib, so /proc is read directly.
+does not list device files, and psutil is not stdlib, so /proc is read directly. With simulated GPUs
+the scan looks for ``nvidia*`` files under ``DATAGEN_SIM_DEV_DIR`` instead (tests), and not at all
+when that is unset.
 
 Termination (:func:`terminate`) follows the psutil recipe without psutil: a process is identified by
 pid *and* start time (a recycled pid is never signalled), SIGTERM all, wait up to the grace period,
@@ -165,9 +168,23 @@ def _cmdline(pid: int) -> str:
     return " ".join(p.decode("utf-8", "replace") for p in raw.rstrip(b"\0").split(b"\0") if p)
 
 
+def _device_pattern() -> re.Pattern[str] | None:
+    """What a GPU device node looks like here: the real /dev/nvidia* nodes, or with simulated GPUs
+    stand-in files under ``DATAGEN_SIM_DEV_DIR`` (None: no device scan at all)."""
+    if not os.environ.get("DATAGEN_SIM_GPUS", "").strip():
+        return _DEV_RE
+    sim_dir = os.environ.get("DATAGEN_SIM_DEV_DIR", "").strip()
+    if not sim_dir:
+        return None
+    return re.compile(rf"^{re.escape(sim_dir.rstrip('/'))}/(nvidia(?:\d+|ctl|-uvm|-uvm-tools|-modeset))$")
+
+
 def _nvidia_devices(pid: int) -> list[str]:
     """Names of /dev/nvidia* nodes ``pid`` has open; [] when none or not permitted to look."""
     found: set[str] = set()
+    dev_re = _device_pattern()
+    if dev_re is None:
+        return []
     fd_dir = f"/proc/{pid}/fd"
     try:
         fds = os.listdir(fd_dir)
@@ -178,7 +195,7 @@ def _nvidia_devices(pid: int) -> list[str]:
             link = os.readlink(f"{fd_dir}/{fd}")
         except OSError:
             continue
-        m = _DEV_RE.match(link)
+        m = dev_re.match(link)
         if m:
             found.add(m.group(1))
     return sorted(found)
@@ -340,6 +357,19 @@ def _run_smi(exe: str, query: str) -> str:
     return proc.stdout
 
 
+def _smi_is_stand_in() -> bool:
+    """Whether the nvidia-smi on PATH is the emulator's stand-in script (the real one is a binary)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"emulator.nvidia_smi" in head
+
+
 def _read_smi() -> tuple[list[GpuReading], list[GpuUser]]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
@@ -404,7 +434,13 @@ def read_gpus() -> tuple[str, list[GpuReading], list[GpuUser], list[str]]:
     backend is "none" and GPUs empty when nothing works; the notes then say why for each backend.
     """
     notes: list[str] = []
-    for name, reader in _BACKENDS:
+    backends = _BACKENDS
+    if os.environ.get("DATAGEN_SIM_GPUS", "").strip():
+        # The emulator's nvidia-smi stand-in prints the simulated GPUs (the remote path in tests);
+        # a real nvidia-smi or NVML would show the host's real GPUs.
+        backends = tuple(b for b in _BACKENDS if b[0] == "sim" or (b[0] == "nvidia-smi" and _smi_is_stand_in()))
+        notes.append("DATAGEN_SIM_GPUS is set: simulated GPUs only, the host's real GPUs are not looked at")
+    for name, reader in backends:
         try:
             gpus, users = reader()
         except _Unavailable as exc:

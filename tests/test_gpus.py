@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import types
@@ -90,13 +89,25 @@ def test_nvml_path_drops_garbage_pids_and_tolerates_missing_memory(monkeypatch):
         (NVMLError_LibRmVersionMismatch("RM has detected an NVML/RM version mismatch"), "common inside LXC"),
     ],
 )
-def test_nvml_init_failures_fall_back_to_sim(monkeypatch, sim_gpus, error, expected):
+def test_nvml_init_failures_are_explained(monkeypatch, error, expected):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(init_error=error))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)
     backend, readings, _, notes = probe.read_gpus()
-    assert backend == "sim" and len(readings) == 8
+    assert backend == "none" and readings == []
     assert notes[0].startswith("nvml: ") and expected in notes[0] and type(error).__name__ in notes[0]
     assert notes[1] == "nvidia-smi: nvidia-smi is not on PATH"
+
+
+def test_simulated_gpus_hide_a_real_driver(monkeypatch, sim_gpus):
+    # `make demo` on a real GPU host: the host's GPUs (and whoever holds them) must stay out of reach.
+    fake = _fake_pynvml(procs=[SimpleNamespace(pid=1, usedGpuMemory=300 * MIB)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    backend, readings, users, notes = probe.read_gpus()
+    assert backend == "sim" and len(readings) == 8 and users == []
+    assert fake.calls == []  # NVML was never even initialised
+    assert notes == ["DATAGEN_SIM_GPUS is set: simulated GPUs only, the host's real GPUs are not looked at"]
+    assert probe._device_pattern() is None  # no /dev/nvidia* scan either
 
 
 def test_nvml_failure_without_fallback_is_unknown(monkeypatch):
@@ -149,10 +160,10 @@ def test_nvidia_smi_without_driver_falls_through(smi_on_path, monkeypatch):
 def test_device_file_holder_hidden_from_the_gpu_list_is_found_and_ended(sim_gpus, tmp_path, monkeypatch, reap_pids):
     # A process with /dev/nvidia3 open that the GPU backend does not list (another PID namespace's
     # view, or a pre-CUDA-context process): only the /proc fd scan sees it. A regular file stands in
-    # for the device node; the pattern is pointed at it.
+    # for the device node; with simulated GPUs the scan looks under DATAGEN_SIM_DEV_DIR.
     node = tmp_path / "nvidia3"
     node.write_text("")
-    monkeypatch.setattr(probe, "_DEV_RE", re.compile(rf"^{re.escape(str(tmp_path))}/(nvidia(?:\d+|ctl))$"))
+    monkeypatch.setenv("DATAGEN_SIM_DEV_DIR", str(tmp_path))
     code = f"import signal; f = open({str(node)!r}); print('ok', flush=True); signal.pause()"
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     reap_pids.append(proc.pid)

@@ -297,7 +297,6 @@ def test_server_gone_traceback_is_a_clean_chain(tmp_path):
     assert "RuntimeError" not in chain and chain[0] == "ServerGone", chain
 
 
-@pytest.mark.slow
 def test_dead_server_process_raises_server_gone_at_once(tmp_path, sim_gpus, emulator_factory):
     # Default client settings (6 attempts, 0.5 s backoff base: ~9.5 s of retries on "refused"); the
     # liveness check turns the crash into ServerGone without those retries.
