@@ -75,7 +75,8 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
     _artifact(flow_run.id, "\n".join(lines), logger)
-    runrecord.update(run_id, cleanup={"state": state.name, "done": True})
+    # lease_released: the next run on this host need not try it again (runrecord.release_dead_leases).
+    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease else {}))
 
 
 def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:

@@ -434,7 +434,7 @@ def read_gpus() -> tuple[str, list[GpuReading], list[GpuUser], list[str]]:
     backend is "none" and GPUs empty when nothing works; the notes then say why for each backend.
     """
     notes: list[str] = []
-    backends = _BACKENDS
+    backends: tuple[tuple[str, Any], ...] = _BACKENDS
     if os.environ.get("DATAGEN_SIM_GPUS", "").strip():
         # The emulator's nvidia-smi stand-in prints the simulated GPUs (the remote path in tests);
         # a real nvidia-smi or NVML would show the host's real GPUs.

@@ -324,6 +324,14 @@ def _plan(found: dict[str, Any], selected: list[int], include_other_users: bool,
 # --------------------------------------------------------------------------- entry point
 
 
+def gpu_names(target: str | Target = "local", timeout_s: float = 60.0) -> dict[int, str]:
+    """GPU index -> model name on ``target`` (empty when no GPU can be read there).
+
+    Raises TargetError, TargetUnreachable, ProbeFailed."""
+    found = _call(parse_target(target), {"op": "discover"}, timeout_s=timeout_s)
+    return {int(g["index"]): str(g["name"]) for g in found.get("gpus", [])}
+
+
 def clean_gpus(
     target: str | Target = "local",
     gpus: str | list[int] | tuple[int, ...] | None = None,

@@ -404,26 +404,17 @@ def list_remembered(memory: FractionMemory | None = None) -> list[dict[str, Any]
 
 
 def gpu_model_name(target: Any, gpus: list[int]) -> str:
-    """The GPU model of the first selected GPU, through tasks.gpus when available; "unknown-gpu" else."""
+    """The GPU model of the first selected GPU on ``target`` (the same discovery hygiene uses: NVML,
+    nvidia-smi or simulated GPUs); "unknown-gpu" when it cannot be read."""
+    from tasks.hygiene import gpu_names
+
     try:
-        from tasks import gpus as gpus_mod
-
-        name = gpus_mod.gpu_name(target, gpus[0]) if hasattr(gpus_mod, "gpu_name") else None
-        if name:
-            return str(name)
+        name = gpu_names(target).get(gpus[0] if gpus else 0)
     except Exception as exc:  # discovery trouble must not stop a launch; the key just gets coarser
-        log.debug("GPU name through tasks.gpus failed: %s", exc)
-    if target in ("local", ""):
-        from emulator.simgpu import SimGpus, sim_path_from_env
-
-        path = sim_path_from_env()
-        if path and os.path.exists(path):
-            with contextlib.suppress(Exception):
-                snap = SimGpus(path).snapshot()
-                for g in snap["gpus"]:
-                    if g["index"] == gpus[0]:
-                        return str(g["name"])
-    return "unknown-gpu"
+        log.warning("cannot read the GPU model on %s (%s): the remembered fraction is keyed without it",
+                    target, exc)
+        return "unknown-gpu"
+    return name or "unknown-gpu"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -256,3 +256,17 @@ def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):
         assert (e.fraction, e.headroom_gib, e.runtime_oom_at) == (0.83, 5.47, 0.88)
         rows = [r for r in list_remembered(mem) if r["key"] == key]
         assert len(rows) == 1 and rows[0]["store"] == "prefect" and rows[0]["fraction"] == 0.83
+
+
+def test_gpu_model_in_the_memory_key_comes_from_discovery(sim_gpus) -> None:
+    from tasks.tuner import gpu_model_name
+
+    assert gpu_model_name("local", [3]) == "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+
+
+def test_gpu_model_unreadable_is_unknown(monkeypatch) -> None:
+    from tasks.tuner import gpu_model_name
+
+    monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi, no driver here
+    assert gpu_model_name("local", [0]) == "unknown-gpu"
