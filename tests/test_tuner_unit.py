@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 import pytest
@@ -268,5 +269,6 @@ def test_gpu_model_unreadable_is_unknown(monkeypatch) -> None:
     from tasks.tuner import gpu_model_name
 
     monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi, no driver here
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML, even on a GPU host
     assert gpu_model_name("local", [0]) == "unknown-gpu"
