@@ -22,7 +22,9 @@ cover every fault):
 - ``malformed``    ~10% malformed input rows (bad JSON, no user turn, bad role, duplicate id, ...)
 
 Every round also has 1-3 malformed rows. The fault's run may fail (exit 1) or be killed; the same
-partition is then rerun (at most ``--max-reruns``) until `datagen run` exits 0. Checks per round:
+partition is then rerun until `datagen run` exits 0: at most ``--max-reruns`` times, or up to 12
+while every rerun adds rows (a crash/hang-after-N fault recurs on every relaunched server, so a
+run can spend its whole ``max_relaunches`` budget with rows still to do). Checks per round:
 every valid input id exactly once in the committed Parquet, exactly the malformed lines in
 ``_rejects``, `datagen validate OUT` exits 0, no process of the round alive (every process the
 round started carries ``DATAGEN_CHAOS_TAG=<token>`` in its environment; leftovers are found by that
@@ -71,6 +73,7 @@ from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
 FAULTS = ("kill9", "server_crash", "runtime_oom", "hang", "http_503", "orphan", "stale_holder",
           "disk_full", "malformed")
 TAG_ENV = "DATAGEN_CHAOS_TAG"
+MAX_PROGRESS_RERUNS = 12  # reruns beyond --max-reruns only while each adds rows
 VENV_BIN = Path(sys.executable).parent
 DATAGEN = str(VENV_BIN / "datagen") if (VENV_BIN / "datagen").exists() else "datagen"
 MODEL_DIR = ROOT / "data" / "models" / "demo"
@@ -489,10 +492,16 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
         if mounted:  # the operator frees space: grow the filesystem in place
             subprocess.run(["mount", "-o", "remount,size=256m", str(out)], check=True)
         reruns = 0
-        while status != "0" and reruns < max_reruns:
+        done = _done_rows(out)
+        progressed = True
+        # A fault that recurs on every relaunched server (crash/hang after N requests) can use up a
+        # run's relaunch budget (run.max_relaunches, per run) with rows still to do: that run fails,
+        # as it should, and the operator reruns. So rerun while runs make progress, up to a hard cap.
+        while status != "0" and (reruns < max_reruns or (progressed and reruns < MAX_PROGRESS_RERUNS)):
             reruns += 1
             status = _run_datagen(cmd, env, log, run_timeout_s, None, out)
             res.runs.append(status)
+            progressed, done = _done_rows(out) > done, _done_rows(out)
         if status != "0":
             res.errors.append(f"did not complete after {reruns} rerun(s) (see {log})")
         _check_output(res, out, ids, bad)

@@ -126,6 +126,9 @@ def datagen(
             progress.close()
             if server is not None:
                 stop(server, host)
+            if runrecord.read(run_id or "").get("lease_released") is False:
+                # gpu_slots released it on the way out: the next run need not try (runrecord).
+                runrecord.update(run_id, lease_released=True)
         report = validate(cfg, plan)
         latest = promote(plan)
     return {"partition": cfg.name, "out_dir": str(plan.out_dir), "latest": latest,
