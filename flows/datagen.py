@@ -19,7 +19,13 @@ a GPU, then ``gpu:<host>`` (one server per host) while the server lives. The slo
 this flow process (host, pid, start time) go to the run record (flows/runrecord.py): the crash hook
 releases the lease of a run SIGKILLed under a worker, and, since a SIGKILLed plain `datagen run`
 gets no hook, every run first releases the leases of this machine's recorded runs whose flow
-process is dead, instead of waiting 60-75 s for them to expire.
+process is dead, instead of waiting 60-75 s for them to expire. Each server goes to the record as
+soon as its process exists (before readiness), so the next run also ends, by process group, the
+servers of dead runs (pid and start time checked) before its before-launch hygiene.
+
+Hygiene scope: the before-launch and relaunch passes (and the hooks) clean only the GPUs the
+partition's server uses (``server.gpus``, else 0..tp_size-1): on a shared host, another job on
+another GPU is spared and listed as such in the hygiene artifact.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from flows.stages import (
     load_config,
     prepare_run,
     promote,
+    server_gpus,
     stop,
     validate,
 )
@@ -88,6 +95,7 @@ def datagen(
     parser = _parser(cfg)
     target = cfg.targets[0]  # one server per partition; several targets is issue-9 scale-out
     host = host_of(target)
+    gpus = server_gpus(cfg)  # hygiene touches only these: another job on this host's other GPUs lives
     progress = _progress(cfg, run_id)
     output = OutputDir(plan.out_dir)
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
@@ -97,9 +105,10 @@ def datagen(
         try:
             if cfg.server_url is None:
                 _release_dead_leases(run_id)
+                _end_dead_servers(run_id, cfg.hygiene_grace_s)
             with gpu_slots([] if cfg.server_url else [target], on_lease=_record_lease(run_id)):
                 if cfg.server_url is None:
-                    hygiene(target, host, "before-launch", cfg.hygiene_grace_s)
+                    hygiene(target, host, "before-launch", cfg.hygiene_grace_s, gpus=gpus)
                     server = launch_server(cfg, target, host, plan, parser, run_id)
                 url = str(cfg.server_url or server.url)
                 health_check(url, host, cfg.api_key())
@@ -114,18 +123,18 @@ def datagen(
                                 raise
                             relaunches += 1
                             diagnose_server(cfg, target, host, server, parser)
-                            stop(server, host)
+                            stop(server, host, run_id)
                             server = None
-                            hygiene(target, host, f"relaunch-{relaunches}", cfg.hygiene_grace_s)
+                            hygiene(target, host, f"relaunch-{relaunches}", cfg.hygiene_grace_s, gpus=gpus)
                             server = launch_server(cfg, target, host, plan, parser, run_id)
                             url = server.url
                 if server is not None:
-                    stop(server, host)
+                    stop(server, host, run_id)
                     server = None
         finally:
             progress.close()
             if server is not None:
-                stop(server, host)
+                stop(server, host, run_id)
             if runrecord.read(run_id or "").get("lease_released") is False:
                 # gpu_slots released it on the way out: the next run need not try (runrecord).
                 runrecord.update(run_id, lease_released=True)
@@ -151,6 +160,17 @@ def _release_dead_leases(run_id: str | None) -> None:
 
     for lease in runrecord.release_dead_leases(release_lease, exclude=run_id):
         get_run_logger().warning("released gpu slot lease %s of a dead run on this host", lease)
+
+
+def _end_dead_servers(run_id: str | None, grace_s: float) -> None:
+    """End, by process group, the servers recorded by this machine's dead runs (e.g. a flow
+    SIGKILLed while its server was still loading): they would hold the port or, once loaded, GPU
+    memory. Each is checked by pid and start time first (flows/runrecord.py)."""
+    from prefect import get_run_logger
+
+    for dead_run, entry in runrecord.end_dead_servers(exclude=run_id, grace_s=grace_s):
+        get_run_logger().warning("ended server pid %s (process group %s) of dead run %s on this host",
+                                 entry["pid"], entry.get("pgid") or entry["pid"], dead_run)
 
 
 def _flow_run_id() -> str | None:

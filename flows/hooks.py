@@ -1,5 +1,6 @@
 """State hooks of the datagen flow: GPU hygiene on the partition's targets after failure, crash
-or cancellation.
+or cancellation, limited to the GPUs of the partition's server (``gpus`` in the run record, else
+``server.gpus`` / 0..tp_size-1 from the partition config): another job on another GPU is spared.
 
 Hooks run outside the run context, and after a SIGKILL of the flow process they run in the
 process worker (or ``serve``), not in the dead process. So they take everything from the flow
@@ -28,13 +29,16 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     record = runrecord.read(run_id)
     params = dict(getattr(flow_run, "parameters", None) or {})
     targets = record.get("targets")
+    gpus = record.get("gpus")
     grace = 5.0
-    if targets is None:
+    if targets is None or gpus is None:
         try:
+            from flows.stages import server_gpus
             from tasks.config import load_partition
 
             cfg = load_partition(params.get("partition", "all"))
-            targets = list(cfg.targets)
+            targets = list(cfg.targets) if targets is None else targets
+            gpus = server_gpus(cfg) if gpus is None else gpus
             grace = cfg.hygiene_grace_s
         except Exception as exc:
             logger.error("cleanup hook: cannot load the partition config (%s); nothing cleaned", exc)
@@ -54,12 +58,23 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     from tasks.hygiene import clean_gpus
 
     lines = [f"# Cleanup after {state.name}", ""]
+    # This run's local servers, recorded as soon as each process existed (a server still loading
+    # included): ended by process group once their pid and start time are checked, never by a
+    # bare pgid that may name another session by now. Remote ones go to hygiene as extra_pids.
+    for entry in record.get("servers", []):
+        if entry.get("target", "local") == "local" and entry.get("state") not in ("stopped", "ended", "gone"):
+            ended = runrecord.end_server(entry, grace)
+            if ended:
+                logger.info("cleanup hook: ended server pid %s (process group %s)", entry["pid"], entry.get("pgid"))
+                lines += [f"server pid {entry['pid']} (process group {entry.get('pgid')}): ended", ""]
+            runrecord.update_server(run_id, int(entry["pid"]), state="ended" if ended else "gone")
     for target in targets:
         pids = tuple(
-            int(s["pgid"] or s["pid"]) for s in record.get("servers", []) if s.get("target") == target
+            int(s["pgid"] or s["pid"]) for s in record.get("servers", [])
+            if s.get("target") == target and target != "local" and s.get("state") not in ("stopped", "ended")
         )
         try:
-            report = clean_gpus(target=target, grace_s=grace, extra_pids=pids)
+            report = clean_gpus(target=target, gpus=list(gpus), grace_s=grace, extra_pids=pids)
             summary = report.summary()
             verdict = report.verdict
         except Exception as exc:

@@ -14,6 +14,7 @@ that died or stopped answering (``ServerGone``) is not retried in place: the flo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -45,6 +46,7 @@ __all__ = [
     "load_config",
     "prepare_run",
     "promote",
+    "server_gpus",
     "stop",
     "validate",
 ]
@@ -115,7 +117,7 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     log_dir.mkdir(exist_ok=True)
     runrecord.update(
         flow_run_id, partition=cfg.name, targets=list(cfg.targets), out_dir=str(out),
-        sim_gpus=sim, shared_server=cfg.server_url is not None,
+        sim_gpus=sim, shared_server=cfg.server_url is not None, gpus=server_gpus(cfg),
     )
     logger.info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
     return RunPlan(out_dir=out, root=root, version=out.name if cfg.versioned else None, sim_gpus=sim, log_dir=log_dir)
@@ -142,11 +144,15 @@ def _ensure_sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
 @task(task_run_name="hygiene-{phase}-{host}", retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_condition_fn=retry_transient,
       cache_policy=NONE)
-def hygiene(target: str, host: str, phase: str, grace_s: float, extra_pids: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Clean the target's GPUs and verify; raises ``GpusNotClean`` (retried) when not verified."""
+def hygiene(target: str, host: str, phase: str, grace_s: float, extra_pids: tuple[int, ...] = (),
+            gpus: list[int] | None = None) -> dict[str, Any]:
+    """Clean the target's ``gpus`` (the partition's server GPUs, see ``server_gpus``; None: every
+    GPU of the host) and verify; processes holding only other GPUs are spared and listed so.
+    Raises ``GpusNotClean`` (retried) when not verified."""
     from tasks.hygiene import clean_gpus
 
-    report = clean_gpus(target=target, grace_s=grace_s, extra_pids=tuple(extra_pids))
+    report = clean_gpus(target=target, gpus=list(gpus) if gpus is not None else None, grace_s=grace_s,
+                        extra_pids=tuple(extra_pids))
     summary = report.summary()
     get_run_logger().info("hygiene %s on %s: %s", phase, host, summary)
     _markdown(f"# GPU hygiene ({phase}) on `{host}`\n\nverdict: **{report.verdict}**\n\n```\n{summary}\n```\n",
@@ -154,6 +160,16 @@ def hygiene(target: str, host: str, phase: str, grace_s: float, extra_pids: tupl
     if not report.clean:
         raise GpusNotClean(f"GPUs on {host} not verified clean ({report.verdict}):\n{summary}")
     return report.to_dict()
+
+
+def server_gpus(cfg: PartitionConfig) -> list[int]:
+    """The GPUs the partition's server uses (``ServerConfig.gpu_indexes``: ``server.gpus``, else
+    0..tp_size-1): the only GPUs the flow's hygiene touches, so that on a shared host another job
+    on another GPU survives a run."""
+    from tasks.server import ServerConfig
+
+    s = cfg.server
+    return ServerConfig(model_path=cfg.model_path, tp_size=s.tp_size, gpus=s.gpus).gpu_indexes()
 
 
 def server_config(cfg: PartitionConfig, port: int, parser: str | None) -> Any:
@@ -196,9 +212,15 @@ def launch_server(cfg: PartitionConfig, target: str, host: str, plan: RunPlan, p
 
     port = cfg.server.port or (_free_port(cfg.server.host) if target == "local" else 30000)
     scfg = server_config(cfg, port, parser)
-    handle, report = launch_tuned(scfg, parse_target(target), plan.log_dir)
-    runrecord.update(flow_run_id, servers=[{"target": target, "pid": handle.pid, "pgid": handle.pgid,
-                                             "url": handle.url, "log": str(handle.log_path)}])
+
+    def on_started(pid: int, pgid: int) -> None:
+        # Recorded before readiness: a flow SIGKILLed while this server loads leaves it running,
+        # and the next run ends it from this record (runrecord.end_dead_servers).
+        runrecord.add_server(flow_run_id, target, pid, pgid)
+
+    handle, report = launch_tuned(scfg, parse_target(target), plan.log_dir, on_started=on_started)
+    runrecord.update_server(flow_run_id, handle.pid, target=target, pgid=handle.pgid, url=handle.url,
+                            log=str(handle.log_path), state="ready")
     headroom = handle.headroom_gib
     lines = [f"# Server launch on `{host}`", "", f"- url: {handle.url}", f"- pid {handle.pid}, log `{handle.log_path}`",
              f"- --mem-fraction-static: **{report.fraction}** (start: {report.start_source}, memory: {report.store})",
@@ -250,11 +272,13 @@ def _port_of(handle: Any) -> int:
 
 
 @task(task_run_name="stop-server-{host}", cache_policy=NONE)
-def stop(handle: Any, host: str) -> None:
+def stop(handle: Any, host: str, flow_run_id: str | None = None) -> None:
     """Stop the server's process group (SIGTERM, then SIGKILL) and wait for clean GPUs."""
     from tasks.server import stop_server
 
     stop_server(handle)
+    with contextlib.suppress(OSError):  # the record is for recovery; a stopped server needs none
+        runrecord.update_server(flow_run_id, handle.pid, state="stopped")
     get_run_logger().info("server on %s (pid %s) stopped", host, handle.pid)
 
 

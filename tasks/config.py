@@ -30,8 +30,12 @@ File layout (every table but ``[datasets]`` optional)::
     [run]
     shard_size = 100
     concurrency = 32
-    max_relaunches = 3
+    max_relaunches = 3              # server relaunches per run, one budget shared by all datasets
     hang_timeout_s = 120            # /health_generate failing this long while the server lives = hung
+
+``run.max_relaunches`` is a budget per run, not per dataset: all of the partition's datasets share
+it, so a server that keeps dying fails the run after that many relaunches in total, however many
+datasets remain.
 
     [sampling]                      # SGLang sampling_params
     max_new_tokens = 1024

@@ -69,7 +69,7 @@ class PartitionConfig:
     reasoning_parser: str | None = None
     shard_size: int = 100
     concurrency: int = 32
-    max_relaunches: int = 3
+    max_relaunches: int = 3  # server relaunches per run, one budget shared by all datasets
     sampling: Mapping[str, Any] = field(default_factory=dict)
     validation: Mapping[str, Any] = field(default_factory=dict)
     output_root: Path = Path("data/out")

@@ -203,6 +203,7 @@ def launch(
     *,
     on_progress: Callable[[StartupProgress], None] | None = None,
     health_timeout_s: float = 25.0,
+    on_started: Callable[[int, int], None] | None = None,
 ) -> ServerHandle:
     """Start the server for ``cfg`` at ``fraction`` and return once ``/health_generate`` answers 200.
 
@@ -213,13 +214,23 @@ def launch(
     killed when ``deadline_s`` passed, or "port_in_use" before starting anything when the local port
     is already taken), ServerConfigError for an invalid config, TargetError/TargetUnreachable for a
     remote target that cannot be used.
+
+    ``on_started(pid, pgid)`` is called as soon as the server process exists, before it is ready,
+    so a caller can record it (a flow SIGKILLed while the server loads leaves it running, and only
+    a record lets the next run end it). Whatever it raises is re-raised after the new process group
+    was killed: a server nobody recorded must not outlive the launch.
     """
     shown = build_command(cfg, fraction)
     if _is_local(target):
         handle = _start_local(cfg, fraction, Path(log_dir), shown)
+        _tell_started(on_started, handle.pid, handle.pgid, lambda: _kill_group(handle, grace_s=5.0))
     else:
         t = parse_target(target)
-        started = server_remote.start_remote(cfg, t, fraction, log_dir)
+
+        def remote_started(pid: int) -> None:  # a remote server leads its own session: pgid == pid
+            _tell_started(on_started, pid, pid, lambda: server_remote.kill_group(t, pid, grace_s=5.0))
+
+        started = server_remote.start_remote(cfg, t, fraction, log_dir, on_started=remote_started)
         handle = ServerHandle(
             pid=started.pid, pgid=started.pid, url=f"http://127.0.0.1:{started.tunnel.local_port}",
             log_path=started.log_path, fraction=fraction, target=target if isinstance(target, str) else str(t),
@@ -234,6 +245,18 @@ def launch(
     if not handle.is_remote:
         handle.member_pids = _group_pids(handle.pgid)
     return handle
+
+
+def _tell_started(on_started: Callable[[int, int], None] | None, pid: int, pgid: int,
+                  kill: Callable[[], Any]) -> None:
+    if on_started is None:
+        return
+    try:
+        on_started(pid, pgid)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            kill()
+        raise
 
 
 def _start_local(cfg: ServerConfig, fraction: float | None, log_dir: Path, shown: list[str]) -> ServerHandle:

@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tasks.server_config import ServerConfig, launch_argv, launch_env, log_file_name
@@ -64,9 +65,11 @@ class RemoteStart:
 
 
 def start_remote(cfg: ServerConfig, target: Target, fraction: float | None,
-                 log_dir: str | os.PathLike[str]) -> RemoteStart:
+                 log_dir: str | os.PathLike[str],
+                 on_started: Callable[[int], None] | None = None) -> RemoteStart:
     """Start ``cfg`` detached on ``target`` (log under ``log_dir`` there) and forward a local port
-    to it. Does not wait for readiness.
+    to it. Does not wait for readiness. ``on_started(pid)`` is called once the server's pid (its
+    process group) is known, before the forward is opened; it kills the server if it must.
 
     Raises TargetError, TargetUnreachable, RuntimeError (the spawner failed), LaunchFailed (the
     forward did not come up; the server's group was killed).
@@ -74,6 +77,8 @@ def start_remote(cfg: ServerConfig, target: Target, fraction: float | None,
     log_path = f"{log_dir}/{log_file_name(cfg, fraction)}"
     run_command(target, ["mkdir", "-p", str(log_dir)], timeout_s=_CMD_TIMEOUT_S)
     pid = start_detached(target, launch_argv(cfg, fraction), log_path, env=launch_env(cfg, base={}))
+    if on_started is not None:
+        on_started(pid)
     try:
         tunnel = open_tunnel(target, cfg.host, cfg.port)
     except BaseException:

@@ -458,14 +458,17 @@ def launch_tuned(
     gpu_name: str | None = None,
     hygiene: Callable[[Any, list[int]], Any] | None = _default_hygiene,
     launcher: Callable[..., ServerHandle] = launch,
+    on_started: Callable[[int, int], None] | None = None,
 ) -> tuple[ServerHandle, LaunchReport]:
     """Launch ``cfg`` on ``target``, moving ``--mem-fraction-static`` until the server comes up.
 
     Start: the remembered fraction for ``memory_key`` (below a remembered runtime OOM), else
     ``cfg.mem_fraction_static``, else SGLang's default (flag omitted). ``hygiene(target, gpus)`` runs
     between attempts (the failed server is already stopped by then). Remembers the fraction that
-    worked and its headroom. Raises LaunchFailed (``attempts`` = every Attempt, message names each
-    fraction and failure) when no attempt worked.
+    worked and its headroom. ``on_started(pid, pgid)`` is handed to the launcher and called for
+    every attempt as soon as its server process exists (see ``tasks.server.launch``). Raises
+    LaunchFailed (``attempts`` = every Attempt, message names each fraction and failure) when no
+    attempt worked; whatever ``on_started`` raises.
     """
     policy = policy or TuningPolicy()
     memory = memory or FractionMemory.default()
@@ -485,7 +488,9 @@ def launch_tuned(
     while True:
         t0 = time.monotonic()
         try:
-            handle = launcher(cfg, target, fraction, log_dir, deadline_s)
+            # Only when given: a custom launcher need not know the keyword.
+            extra = {} if on_started is None else {"on_started": on_started}
+            handle = launcher(cfg, target, fraction, log_dir, deadline_s, **extra)
         except LaunchFailed as exc:
             eff = fraction if fraction is not None else (effective_fraction(exc.log_tail) or DEFAULT_FRACTION)
             attempts.append(Attempt(fraction, eff, exc.failure, exc.log_path, time.monotonic() - t0,

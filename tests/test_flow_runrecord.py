@@ -38,3 +38,39 @@ def test_release_dead_leases_only_of_dead_runs_on_this_host(tmp_path: Path, monk
     assert runrecord.release_dead_leases(release, exclude="me") == []  # each is tried once
     assert sorted(asked) == ["L-dead", "L-reused"]
     assert runrecord.process_alive(me) and not runrecord.process_alive({"pid": gone.pid})
+
+
+def test_end_dead_servers_checks_pid_and_start_time_and_spares_live_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead_owner = {"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}
+    sleepers = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(3)]
+    try:
+        ours, reused, live_runs = sleepers
+        runrecord.update("dead", owner=dead_owner)
+        runrecord.add_server("dead", "local", ours.pid, ours.pid)
+        runrecord.update("dead-reused", owner=dead_owner)
+        runrecord.add_server("dead-reused", "local", reused.pid, reused.pid)
+        data = runrecord.read("dead-reused")
+        data["servers"][0]["started"] -= 100  # the recorded server died; its pid now names another process
+        runrecord._write("dead-reused", data)
+        runrecord.update("alive", owner=runrecord.owner())
+        runrecord.add_server("alive", "local", live_runs.pid, live_runs.pid)
+        runrecord.update("remote", owner=dead_owner, servers=[{"target": "ssh://h", "pid": 7, "pgid": 7}])
+
+        ended = runrecord.end_dead_servers(grace_s=2.0)
+        assert [(r, e["pid"]) for r, e in ended] == [("dead", ours.pid)]
+        assert ours.wait(timeout=5) == -15  # SIGTERM to its process group was enough
+        assert reused.poll() is None and live_runs.poll() is None
+        assert runrecord.read("dead")["servers"][0]["state"] == "ended"
+        assert runrecord.read("dead-reused")["servers"][0]["state"] == "gone"
+        assert runrecord.read("alive")["servers"][0]["state"] == "starting"
+        assert "state" not in runrecord.read("remote")["servers"][0]
+        assert runrecord.end_dead_servers(grace_s=2.0) == []  # each is looked at once
+    finally:
+        for p in sleepers:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=5)

@@ -354,3 +354,33 @@ def test_remote_tunnel_failure_kills_the_started_server(remote, sim_gpus, tmp_pa
 
     wait_until(lambda: not ours(), 10, "the remote server to be gone")
     wait_until(lambda: used_mib(sim_gpus) == [0] * 8, 10, "sim GPUs to be released")
+
+
+def test_on_started_names_the_process_before_readiness(sim_gpus, started, tmp_path):
+    port = free_port()
+    told: list[tuple[int, int, bool, bool, bool]] = []
+
+    def on_started(pid: int, pgid: int) -> None:
+        with socket.socket() as s:
+            listening = s.connect_ex(("127.0.0.1", port)) == 0
+        told.append((pid, pgid, os.getpgid(pid) == pgid, pid_alive(pid), listening))
+
+    h = launch(cfg_for(port), "local", 0.88, tmp_path / "logs", deadline_s=30, on_started=on_started)
+    started.append(h)
+    assert told == [(h.pid, h.pgid, True, True, False)]  # once, alive, its own group, not yet serving
+    stop_server(h, grace_s=2.0)
+
+
+def test_on_started_that_raises_kills_the_new_group(sim_gpus, started, tmp_path):
+    pids: list[int] = []
+
+    def on_started(pid: int, pgid: int) -> None:
+        pids.append(pid)
+        raise OSError("run record not writable")
+
+    cfg = ServerConfig(model_path=DEMO, backend="emulator", port=free_port(), extra_args=("--emu-load-time", "60"))
+    with pytest.raises(OSError, match="run record not writable"):
+        launch(cfg, "local", 0.88, tmp_path / "logs", deadline_s=30, on_started=on_started)
+    (pid,) = pids
+    wait_until(lambda: not pid_alive(pid), 10, "the unrecorded server to be killed")
+    wait_until(lambda: used_mib(sim_gpus) == [0] * 8, 10, "sim GPUs to be released")

@@ -272,3 +272,22 @@ def test_gpu_model_unreadable_is_unknown(monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML, even on a GPU host
     assert gpu_model_name("local", [0]) == "unknown-gpu"
+
+
+def test_on_started_reaches_the_launcher_on_every_attempt(memory):
+    cfg = ServerConfig(model_path="m", mem_fraction_static=0.93)
+    seen: list[tuple[float | None, object]] = []
+
+    class Recording(Scripted):
+        def __call__(self, cfg, target, fraction, log_dir, deadline_s, on_started=None):
+            seen.append((fraction, on_started))
+            return super().__call__(cfg, target, fraction, log_dir, deadline_s)
+
+    def cb(pid: int, pgid: int) -> None:
+        pass
+
+    launch_tuned(cfg, memory=memory, gpu_name="G", launcher=Recording(0.6, 0.9), hygiene=None, on_started=cb)
+    assert seen == [(0.93, cb), (0.88, cb)]
+    # Without a callback a launcher that does not know the keyword still works.
+    _, r = launch_tuned(cfg, memory=memory, gpu_name="G", launcher=Scripted(0.6, 0.9), hygiene=None)
+    assert r.fraction == 0.88
