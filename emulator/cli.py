@@ -1,6 +1,6 @@
 """``datagen emulator`` / ``python -m emulator``: the SGLang stand-in's main process.
 
-Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (see emulator/README.md).
+Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (see the README, "The SGLang emulator and simulated GPUs").
 
 Exit status, as SGLang's: 2 for a usage error (argparse), 1 when the model dir is missing or the port
 is taken, and death by SIGKILL (-9, 137 from a shell) after a scheduler failure or SIGTERM, because the

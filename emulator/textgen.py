@@ -1,6 +1,6 @@
 """Deterministic text generation and the emulator's toy tokenizer.
 
-Tokenizer (documented in emulator/README.md): a token is optional leading whitespace followed by one
+Tokenizer (documented in the README, "Output text and tokenizer"): a token is optional leading whitespace followed by one
 special tag (``<|...|>``, ``<think>``, ``</think>``, ``◁think▷``, ``◁/think▷``, ``[THINK]``,
 ``[/THINK]``), one run of word characters, or one other non-space character; trailing whitespace is one
 more token. ``count_tokens(text)`` is the number of such tokens. Generated outputs are built token by
