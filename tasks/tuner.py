@@ -6,12 +6,10 @@ bisects. Every value stays within ``bounds``; a value already tried, a bracket n
 ``min_gap``, or ``max_attempts`` ends the search with a message naming every attempt. Failures that
 no fraction fixes (port in use, bad flag, missing model, host memory, unknown, timeout) end it at once.
 
-Memory (``FractionMemory``) keeps per key (host + model + tp + GPU model + memory-relevant flags) the
-fraction that worked, the headroom SGLang reported, and the lowest fraction seen to OOM at run time.
-One function, ``FractionMemory.default()``, picks the store: a Prefect Variable per key when
-``PREFECT_API_URL`` is set and its ``/health`` answers, else the JSON file
-``$DATAGEN_STATE_DIR/fractions.json`` (default ``~/.local/state/datagen``), written atomically
-under an flock.
+Memory (``FractionMemory`` and its stores, in tasks.tuner_memory; importable from here) keeps per
+key (host + model + tp + GPU model + memory-relevant flags) the fraction that worked, its headroom and
+the lowest fraction seen to OOM at run time: a Prefect Variable per key when the Prefect API answers,
+else ``$DATAGEN_STATE_DIR/fractions.json``.
 
 Errors: ``LaunchFailed`` (from tasks.server; on give-up its ``attempts`` lists every Attempt),
 ``MemoryStoreError`` when the state file is unreadable garbage.
@@ -19,21 +17,12 @@ Errors: ``LaunchFailed`` (from tasks.server; on give-up its ``attempts`` lists e
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
 import logging
 import os
-import socket
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
-
-import httpx
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from tasks.server import (
     Failure,
@@ -44,8 +33,21 @@ from tasks.server import (
     effective_fraction,
     format_fraction,
     launch,
-    server_flags,
 )
+from tasks.server import server_flags as server_flags  # importable from here, as it always was
+from tasks.tuner_memory import (
+    FileStore,
+    FractionMemory,
+    MemoryEntry,
+    MemoryStoreError,
+    PrefectStore,
+    gpu_model_name,
+    list_remembered,
+    memory_key,
+    prefect_api_reachable,
+    state_dir,
+)
+from tasks.tuner_memory import Store as Store  # importable from here, as it always was
 
 __all__ = [
     "DEFAULT_FRACTION",
@@ -74,10 +76,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.88  # SGLang's default when it cannot compute one from the GPU
 RETRYABLE = frozenset({"too_high", "too_low"})
-
-
-class MemoryStoreError(RuntimeError):
-    """The remembered-fractions store exists but cannot be read or written."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,263 +156,6 @@ def next_fraction(attempts: list[Attempt], policy: TuningPolicy, ceiling: float 
     if too_low is not None and candidate <= too_low:
         return None
     return candidate
-
-
-# --------------------------------------------------------------------------------------------------
-# Memory
-
-
-def memory_key(cfg: ServerConfig, target: Any, gpu_name: str) -> str:
-    """Key of a remembered fraction: host | model | tp | GPU model | hash of memory-relevant flags.
-
-    Host/port, the fraction itself, names and the API key do not change memory use and are left out.
-    """
-    tname = target if isinstance(target, str) else str(target)
-    host = socket.gethostname() if tname.strip() in ("", "local") else tname
-    flags = server_flags(cfg, None)
-    drop_with_value = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size"}
-    kept: list[str] = []
-    skip = False
-    for a in flags:
-        if skip:
-            skip = False
-            continue
-        if a in drop_with_value:
-            skip = True
-            continue
-        kept.append(a)
-    digest = hashlib.sha256(json.dumps([cfg.backend, kept]).encode()).hexdigest()[:12]
-    model = os.path.normpath(cfg.model_path)
-    return f"{host}|{model}|tp{cfg.tp_size}|{gpu_name}|{digest}"
-
-
-@dataclass
-class MemoryEntry:
-    """What is remembered for one key."""
-
-    key: str
-    fraction: float | None = None  # last fraction that launched and ran (None: SGLang's default did)
-    headroom_gib: float | None = None
-    runtime_oom_at: float | None = None  # lowest fraction seen to OOM during inference
-    updated_at: str = ""
-    history: list[str] = field(default_factory=list)  # last few events, newest last
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MemoryEntry:
-        known = {k: d[k] for k in ("key", "fraction", "headroom_gib", "runtime_oom_at", "updated_at", "history")
-                 if k in d}
-        return cls(**known)
-
-
-class Store(Protocol):
-    kind: str
-
-    def get(self, key: str) -> MemoryEntry | None: ...
-
-    def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry: ...
-
-    def entries(self) -> list[MemoryEntry]: ...
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-class FileStore:
-    """JSON file ``{"version": 1, "entries": {key: entry}}``; read-modify-write under an flock, atomic rename."""
-
-    kind = "file"
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {"version": 1, "entries": {}}
-        except (OSError, ValueError) as exc:
-            raise MemoryStoreError(f"cannot read remembered fractions from {self.path}: {exc}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-            raise MemoryStoreError(f"{self.path} is not a fractions file (no 'entries' object)")
-        return data
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(self.path) + ".lock", "a") as lockf:
-            fcntl.flock(lockf, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lockf, fcntl.LOCK_UN)
-
-    def _write(self, data: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".fractions-", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-    def get(self, key: str) -> MemoryEntry | None:
-        raw = self._read()["entries"].get(key)
-        return MemoryEntry.from_dict(raw) if raw else None
-
-    def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
-        with self._locked():
-            data = self._read()
-            raw = data["entries"].get(key)
-            entry = MemoryEntry.from_dict(raw) if raw else MemoryEntry(key=key)
-            fn(entry)
-            entry.updated_at = _now()
-            entry.history = entry.history[-10:]
-            data["entries"][key] = entry.to_dict()
-            self._write(data)
-            return entry
-
-    def entries(self) -> list[MemoryEntry]:
-        return [MemoryEntry.from_dict(v) for _, v in sorted(self._read()["entries"].items())]
-
-
-class PrefectStore:
-    """One Prefect Variable per key, named ``datagen_fraction_<hash>`` (names are short; values < 5000 chars)."""
-
-    kind = "prefect"
-    prefix = "datagen_fraction_"
-
-    def _name(self, key: str) -> str:
-        return self.prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
-
-    def get(self, key: str) -> MemoryEntry | None:
-        from prefect.variables import Variable
-
-        raw = Variable.get(self._name(key), default=None)
-        return MemoryEntry.from_dict(raw) if isinstance(raw, dict) else None
-
-    def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
-        from prefect.variables import Variable
-
-        # Last writer wins: two runs tuning the same key at once is already prevented by the
-        # one-server-per-host limit, so no compare-and-swap here.
-        entry = self.get(key) or MemoryEntry(key=key)
-        fn(entry)
-        entry.updated_at = _now()
-        entry.history = entry.history[-10:]
-        Variable.set(self._name(key), entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
-        return entry
-
-    def entries(self) -> list[MemoryEntry]:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            variables = client.read_variables()
-        out = [MemoryEntry.from_dict(v.value) for v in variables
-               if v.name.startswith(self.prefix) and isinstance(v.value, dict)]
-        return sorted(out, key=lambda e: e.key)
-
-
-def state_dir() -> Path:
-    """``$DATAGEN_STATE_DIR``, default ``~/.local/state/datagen``."""
-    return Path(os.environ.get("DATAGEN_STATE_DIR") or Path.home() / ".local" / "state" / "datagen")
-
-
-def prefect_api_reachable(timeout_s: float = 2.0) -> bool:
-    """Whether ``PREFECT_API_URL`` is set and its ``/health`` answers 200 within ``timeout_s``."""
-    url = os.environ.get("PREFECT_API_URL", "").strip()
-    if not url:
-        try:
-            from prefect.settings import PREFECT_API_URL
-
-            url = (PREFECT_API_URL.value() or "").strip()
-        except Exception:
-            url = ""
-    if not url:
-        return False
-    try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class FractionMemory:
-    """Remembered fractions per key, over one store (see module docstring for which)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    @classmethod
-    def default(cls) -> FractionMemory:
-        """The ONE place that picks the store: Prefect Variables when the API answers, else the file."""
-        if prefect_api_reachable():
-            return cls(PrefectStore())
-        return cls(FileStore(state_dir() / "fractions.json"))
-
-    @property
-    def kind(self) -> str:
-        return self.store.kind
-
-    def get(self, key: str) -> MemoryEntry | None:
-        return self.store.get(key)
-
-    def remember_success(self, key: str, fraction: float | None, headroom_gib: float | None) -> MemoryEntry:
-        def fn(e: MemoryEntry) -> None:
-            e.fraction = fraction
-            e.headroom_gib = headroom_gib
-            frac = "default" if fraction is None else format_fraction(fraction)
-            e.history.append(f"{_now()} launched at {frac}, headroom {headroom_gib} GB")
-
-        return self.store.update(key, fn)
-
-    def remember_runtime_oom(self, key: str, fraction: float, step: float) -> MemoryEntry:
-        def fn(e: MemoryEntry) -> None:
-            e.runtime_oom_at = fraction if e.runtime_oom_at is None else min(e.runtime_oom_at, fraction)
-            # The next launch starts a step below what OOMed (or lower, if something lower already worked).
-            lower = round(fraction - step, 3)
-            e.fraction = lower if e.fraction is None else min(e.fraction, lower)
-            e.history.append(f"{_now()} runtime OOM at {format_fraction(fraction)}")
-
-        return self.store.update(key, fn)
-
-    def entries(self) -> list[MemoryEntry]:
-        return self.store.entries()
-
-
-def list_remembered(memory: FractionMemory | None = None) -> list[dict[str, Any]]:
-    """For ``datagen status``: every remembered entry as a dict, plus ``store`` ("prefect"/"file")."""
-    memory = memory or FractionMemory.default()
-    return [dict(e.to_dict(), store=memory.kind) for e in memory.entries()]
-
-
-# --------------------------------------------------------------------------------------------------
-# GPU model (part of the key)
-
-
-def gpu_model_name(target: Any, gpus: list[int]) -> str:
-    """The GPU model of the first selected GPU on ``target`` (the same discovery hygiene uses: NVML,
-    nvidia-smi or simulated GPUs); "unknown-gpu" when it cannot be read."""
-    from tasks.hygiene import gpu_names
-
-    try:
-        name = gpu_names(target).get(gpus[0] if gpus else 0)
-    except Exception as exc:  # discovery trouble must not stop a launch; the key just gets coarser
-        log.warning("cannot read the GPU model on %s (%s): the remembered fraction is keyed without it",
-                    target, exc)
-        return "unknown-gpu"
-    return name or "unknown-gpu"
 
 
 # --------------------------------------------------------------------------------------------------

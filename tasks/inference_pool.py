@@ -1,0 +1,269 @@
+"""The async worker pool of tasks.inference: stream the input, generate, journal, commit shards.
+
+``InferencePool.run(input_iter)`` reads the input once in the event loop and feeds ``concurrency``
+worker tasks through a bounded queue, so only in-flight items and per-open-shard counters live in
+memory. A shard whose slice is fully accounted for (rows generated or resumed, rejects journaled)
+is committed by one committer thread, in the order shards complete: a straggler holds back only
+its own shard, and the workers never wait for a commit, which keeps the server's batch full.
+
+Errors propagate out of ``run`` as the TaskGroup's ``BaseExceptionGroup``: ``ServerGone`` and
+``RequestRejected`` from the client, ``OSError`` from the journal or the commit, ``RuntimeError``
+when a shard's journal does not hold its slice, and whatever ``on_shard_committed`` or
+``progress`` raise. ``run`` always closes the journals and waits for a running commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.client import GenerateClient, PromptTooLong
+from tasks.inference_records import DatasetResult, DatasetSpec, ShardProgress
+from tasks.inference_rows import RowBuilder, public_reject
+from tasks.shards import Journal, OutputDir, ShardRecord
+
+__all__ = ["InferencePool"]
+
+
+class _OpenShard:
+    """Counters of a shard being filled; its rows live only in the journal."""
+
+    __slots__ = ("index", "journal", "done_ids", "done_pos", "accounted", "expected", "generated",
+                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing")
+
+    def __init__(self, index: int, journal: Journal, done_ids: set[str], done_pos: set[int]) -> None:
+        self.index = index
+        self.journal = journal
+        self.done_ids = done_ids
+        self.done_pos = done_pos
+        self.accounted = 0
+        self.expected: int | None = None
+        self.generated = 0
+        self.resumed = 0
+        self.rejects = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.started = time.monotonic()
+        self.committing = False
+
+
+@dataclass
+class _Item:
+    shard: _OpenShard
+    pos: int
+    row: Any  # tasks.prompts.InputRow
+    prompt: str
+    think_in_prompt: bool
+
+
+class InferencePool:
+    """One dataset's run over an open client: see the module docstring."""
+
+    def __init__(
+        self,
+        spec: DatasetSpec,
+        out: OutputDir,
+        client: GenerateClient,
+        *,
+        shard_size: int,
+        concurrency: int,
+        sampling: Mapping[str, Any],
+        reasoning_parser: str | None,
+        template: Any,
+        model_name: str,
+        server_fingerprint: str,
+        on_shard_committed: Callable[[ShardRecord], Any] | None,
+        progress: Callable[[ShardProgress], Any] | None,
+        result: DatasetResult,
+    ) -> None:
+        self.spec = spec
+        self.out = out
+        self.client = client
+        self.shard_size = shard_size
+        self.concurrency = concurrency
+        self.sampling = dict(sampling)
+        self.rows = RowBuilder(
+            dataset=spec.name, parser=reasoning_parser, model_name=model_name,
+            sampling_json=RowBuilder.sampling_text(self.sampling), server_fingerprint=server_fingerprint,
+            template=template, template_kwargs=spec.template_kwargs,
+        )
+        self.on_shard_committed = on_shard_committed
+        self.progress = progress
+        self.result = result
+        self.shards: dict[int, _OpenShard] = {}
+        self.committed: set[int] = set()
+        self.total_estimate: int | None = None
+        self.total_rows: int | None = None
+        self.rows_committed = 0
+        self.rows_before = sum(r.rows + r.rejects for r in out.committed_shards(spec.name))
+        self.retries_reported = 0
+        self.started = time.monotonic()
+        # One committer thread: manifest updates are serialised and ordered.
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datagen-commit")
+        self.commit_futures: list[asyncio.Future[Any]] = []
+
+    # -- shards ------------------------------------------------------------------------------------
+
+    def _open(self, index: int) -> _OpenShard:
+        shard = self.shards.get(index)
+        if shard is None:
+            path = self.out.journal_path(self.spec.name, index)
+            contents = Journal.read(path)
+            shard = _OpenShard(index, Journal(path), set(contents.rows), contents.positions)
+            self.shards[index] = shard
+        return shard
+
+    def _account(self, shard: _OpenShard, tg: asyncio.TaskGroup) -> None:
+        shard.accounted += 1
+        self._maybe_commit(shard, tg)
+
+    def _maybe_commit(self, shard: _OpenShard, tg: asyncio.TaskGroup) -> None:
+        if shard.committing or shard.expected is None or shard.accounted < shard.expected:
+            return
+        shard.committing = True
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, self._commit_sync, shard)
+        self.commit_futures.append(fut)
+        tg.create_task(self._after_commit(shard, fut))
+
+    def _commit_sync(self, shard: _OpenShard) -> ShardRecord:
+        shard.journal.close()
+        contents = Journal.read(shard.journal.path)
+        lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
+        rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
+                      key=lambda r: int(r.get("_pos", 0)))
+        rows = [self.rows.with_current_split(r) for r in rows]
+        rejects = [public_reject(r) for _, r in sorted(contents.rejects.items()) if lo <= _ < hi]
+        if len(rows) + len(rejects) != shard.expected:
+            raise RuntimeError(
+                f"shard {shard.index} of {self.spec.name}: journal holds {len(rows)} rows + "
+                f"{len(rejects)} rejects, expected {shard.expected} (journal {shard.journal.path})"
+            )
+        record = self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
+        if self.on_shard_committed is not None:
+            self.on_shard_committed(record)
+        return record
+
+    async def _after_commit(self, shard: _OpenShard, fut: asyncio.Future[ShardRecord]) -> None:
+        record = await fut
+        self.shards.pop(shard.index, None)
+        self.committed.add(shard.index)
+        self.result.shards_committed_now += 1
+        self.rows_committed += record.rows + record.rejects
+        if self.progress is not None:
+            self.progress(self._progress(shard, record))
+
+    def _progress(self, shard: _OpenShard, record: ShardRecord) -> ShardProgress:
+        elapsed = max(1e-9, time.monotonic() - shard.started)
+        retries = self.client.stats.retries - self.retries_reported
+        self.retries_reported = self.client.stats.retries
+        total = self.total_rows if self.total_rows is not None else self.total_estimate
+        done = self.rows_before + self.rows_committed
+        run_elapsed = time.monotonic() - self.started
+        eta = None
+        if total is not None and self.rows_committed > 0:
+            eta = max(0.0, (total - done) * run_elapsed / self.rows_committed)
+        shards_total = None if total is None or self.total_rows is None else -(-total // self.shard_size)
+        return ShardProgress(
+            dataset=self.spec.name, shard=shard.index, rows=record.rows, rows_generated=shard.generated,
+            rejects=record.rejects, prompt_tokens=shard.prompt_tokens,
+            completion_tokens=shard.completion_tokens, elapsed_s=elapsed,
+            tokens_per_s=shard.completion_tokens / elapsed, retries=retries,
+            shards_committed=len(self.committed), shards_total=shards_total,
+            dataset_rows_done=done, dataset_rows_total=total, eta_s=eta,
+        )
+
+    def _close_slice(self, index: int, expected: int, tg: asyncio.TaskGroup) -> None:
+        if index in self.committed:
+            return
+        shard = self._open(index)
+        shard.expected = expected
+        self._maybe_commit(shard, tg)
+
+    def _journal_reject(self, shard: _OpenShard, pos: int, line: int, reason: str, raw: str,
+                        row_id: str | None = None, status: int | None = None) -> None:
+        shard.journal.append(self.rows.reject(pos, line, reason, raw, row_id=row_id, status=status))
+        shard.rejects += 1
+        self.result.rejects += 1
+
+    # -- the run -----------------------------------------------------------------------------------
+
+    async def run(self, input_iter: Iterable[Any]) -> None:
+        """Generate every record of ``input_iter`` not yet committed or journaled; see the module
+        docstring for what it raises."""
+        queue: asyncio.Queue[_Item | None] = asyncio.Queue(maxsize=self.concurrency)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                workers = [tg.create_task(self._worker(queue, tg)) for _ in range(self.concurrency)]
+                await self._read(input_iter, queue, tg)
+                for _ in workers:
+                    await queue.put(None)
+        finally:
+            for shard in self.shards.values():
+                shard.journal.close()
+            # A commit thread cannot be interrupted: let it finish before the lock is released.
+            self.executor.shutdown(wait=True)
+
+    async def _read(self, input_iter: Iterable[Any], queue: asyncio.Queue[_Item | None],
+                    tg: asyncio.TaskGroup) -> None:
+        from tasks.prompts import Reject
+
+        size = self.shard_size
+        pos = -1
+        for pos, item in enumerate(input_iter):
+            index = pos // size
+            if pos % 256 == 255:
+                await asyncio.sleep(0)  # let workers and commits run while parsing a long skipped run
+            if index not in self.committed:
+                shard = self._open(index)
+                if isinstance(item, Reject):
+                    if pos not in shard.done_pos:
+                        self._journal_reject(shard, pos, item.line, item.reason, item.raw)
+                    self._account(shard, tg)
+                elif item.id in shard.done_ids or pos in shard.done_pos:
+                    shard.resumed += 1
+                    self.result.rows_resumed += 1
+                    self._account(shard, tg)
+                else:
+                    prompt, reason = self.rows.prompt_for(item)
+                    if prompt is None:
+                        self._journal_reject(shard, pos, item.line, reason, "", row_id=item.id)
+                        self._account(shard, tg)
+                    else:
+                        await queue.put(_Item(shard, pos, item, prompt, self.rows.opens_think(prompt)))
+            if pos % size == size - 1:
+                self._close_slice(index, size, tg)
+        total = pos + 1
+        self.total_rows = total
+        if total % size:
+            self._close_slice(total // size, total % size, tg)
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.out.set_dataset_totals, self.spec.name, total)
+        self.result.shards_total = -(-total // size)
+
+    async def _worker(self, queue: asyncio.Queue[_Item | None], tg: asyncio.TaskGroup) -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            shard = item.shard
+            try:
+                res = await self.client.generate(item.prompt, self.sampling, rid=item.row.id)
+            except PromptTooLong as exc:
+                self._journal_reject(shard, item.pos, item.row.line, f"prompt too long: {exc.message}",
+                                     "", row_id=item.row.id, status=exc.status)
+                self._account(shard, tg)
+                continue
+            shard.journal.append(self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt,
+                                                     res))
+            shard.generated += 1
+            shard.prompt_tokens += res.prompt_tokens
+            shard.completion_tokens += res.completion_tokens
+            self.result.rows_generated += 1
+            self.result.prompt_tokens += res.prompt_tokens
+            self.result.completion_tokens += res.completion_tokens
+            self._account(shard, tg)
