@@ -94,7 +94,8 @@ class ServerConfig:
     backend: Literal["sglang", "emulator"] = "sglang"
     python: str = sys.executable
     gpus: tuple[int, ...] | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
+    # repr=False: the flow puts the hub token (HF_TOKEN) here; a logged config must not show it
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ServerConfigError:
