@@ -180,6 +180,13 @@ async def _read_json(request: web.Request) -> Any:
         ) from None
 
 
+async def _finished(reqs: list[Req]) -> None:
+    """Wait until the engine has finished every submitted request."""
+    for r in reqs:
+        assert r.done is not None
+        await r.done
+
+
 def build_app(st: ServerState) -> web.Application:
     """The aiohttp application serving SGLang's endpoints from ``st``."""
     engine = st.engine
@@ -280,9 +287,7 @@ def build_app(st: ServerState) -> web.Application:
         many = batch or len(reqs) > 1
         if body.get("stream"):
             return await _stream(request, reqs, many)
-        for r in reqs:
-            assert r.done is not None
-            await r.done
+        await _finished(reqs)
         if many:
             return _json([_result(st, r) for r in reqs])
         return _json(_result(st, reqs[0]))
@@ -407,9 +412,7 @@ def build_app(st: ServerState) -> web.Application:
             engine.submit(reqs)
         except QueueFull:
             return _queue_full()
-        for r in reqs:
-            assert r.done is not None
-            await r.done
+        await _finished(reqs)
         parser = st.args.reasoning_parser
         sep = body.get("separate_reasoning", True)
         choices = []
