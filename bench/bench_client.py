@@ -124,7 +124,7 @@ async def _bare(url: str, prompts: list[str], sampling: dict[str, Any]) -> float
 
 
 async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transport: str) -> float:
-    from tasks.client import ClientConfig, GenerateClient
+    from tasks.inference import ClientConfig, GenerateClient
 
     it = iter(enumerate(prompts))
     t0 = time.perf_counter()
@@ -138,8 +138,7 @@ async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transp
 
 
 def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: str) -> tuple[float, int]:
-    from tasks.client import ClientConfig
-    from tasks.inference import DatasetSpec, run_dataset
+    from tasks.inference import ClientConfig, DatasetSpec, run_dataset
 
     r = run_dataset(DatasetSpec("bench", inp), out, url, model_dir=DEMO, shard_size=1000,
                     concurrency=CONCURRENCY, sampling=sampling,

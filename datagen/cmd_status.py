@@ -4,7 +4,7 @@
 
 Prints shards committed/total and rows per dataset, open journals, the lock holder (host, pid,
 flow run) when a live process holds ``OUT/_lock``, the last validation verdict, and the
-``--mem-fraction-static`` values tasks.tuner remembers (with headroom and runtime OOMs).
+``--mem-fraction-static`` values tasks.server._tuner remembers (with headroom and runtime OOMs).
 
 Exit codes: 0 printed; 2 OUT_DIR is not a datagen output (no manifest) or usage error.
 """
@@ -45,7 +45,7 @@ def status(out: Path) -> dict[str, Any]:
         except ValueError:
             validation = "unreadable"
     try:
-        from tasks.tuner import list_remembered
+        from tasks.server import list_remembered
 
         fractions = list_remembered()
     except Exception as exc:  # the memory store is advisory here

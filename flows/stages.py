@@ -207,8 +207,8 @@ def _free_port(host: str) -> int:
 def launch_server(cfg: PartitionConfig, target: str, host: str, plan: RunPlan, parser: str | None,
                   flow_run_id: str | None) -> Any:
     """Launch SGLang (or the emulator) with the tuned ``--mem-fraction-static``; returns the handle."""
+    from tasks.server import launch_tuned
     from tasks.targets import parse_target
-    from tasks.tuner import launch_tuned
 
     port = cfg.server.port or (_free_port(cfg.server.host) if target == "local" else 30000)
     scfg = server_config(cfg, port, parser)
@@ -246,9 +246,8 @@ def health_check(url: str, host: str, api_key: str | None = None) -> None:
 def diagnose_server(cfg: PartitionConfig, target: str, host: str, handle: Any, parser: str | None) -> str:
     """The server stopped answering: read its log, and on a runtime OOM (classified ``too_high``)
     record it so the relaunch starts lower. Returns the failure kind."""
-    from tasks.server import classify_failure
+    from tasks.server import classify_failure, record_runtime_oom
     from tasks.targets import parse_target
-    from tasks.tuner import record_runtime_oom
 
     logger = get_run_logger()
     try:

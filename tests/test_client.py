@@ -1,4 +1,4 @@
-"""tasks.client against the real emulator: transports, retries, rejects, server gone."""
+"""tasks.inference._client against the real emulator: transports, retries, rejects, server gone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tasks.client import (
+from tasks.inference import (
     ClientConfig,
     GenerateClient,
     PromptTooLong,

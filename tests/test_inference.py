@@ -21,10 +21,9 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.client import ClientConfig, ServerGone
-from tasks.inference import DatasetSpec, InputChanged, OutputLocked, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, ServerGone, run_dataset
 from tasks.prompts import ChatTemplate
-from tasks.shards import Journal, OutputDir
+from tasks.shards import InputChanged, Journal, OutputDir, OutputLocked
 from tests.fixtures.emulator import DEMO_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +99,7 @@ def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
 
 DRIVER = """
 import json, sys
-from tasks.client import ClientConfig
+from tasks.inference import ClientConfig
 from tasks.inference import DatasetSpec, run_dataset
 a = json.loads(sys.argv[1])
 r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=a["shard"],

@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from tasks.client import ServerGone
+from tasks.inference import ServerGone
 from tasks.shards import OutputDir
 from tests.test_inference import (
     EMU_ARGS,

@@ -13,13 +13,17 @@ import httpx
 import psutil
 import pytest
 
-from tasks.server import LaunchFailed, ServerConfig, ServerHandle, launch, stop_server
-from tasks.tuner import (
+from tasks.server import (
     FileStore,
     FractionMemory,
+    LaunchFailed,
+    ServerConfig,
+    ServerHandle,
+    launch,
     launch_tuned,
     record_runtime_oom,
     runtime_failure,
+    stop_server,
 )
 from tests.fixtures.common import free_port, pid_alive
 

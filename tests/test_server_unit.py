@@ -252,8 +252,8 @@ def test_launch_failed_message_names_everything():
 
 def test_every_public_name_is_importable_from_tasks_server():
     import tasks.server as server
-    import tasks.server_config as config
-    import tasks.server_log as server_log
+    import tasks.server._config as config
+    import tasks.server._log as server_log
 
     for mod in (config, server_log):
         missing = [n for n in mod.__all__ if n not in server.__all__ and not n.startswith(("explanation", "log_"))]
@@ -264,7 +264,7 @@ def test_every_public_name_is_importable_from_tasks_server():
 
 
 def test_log_file_names_differ_per_fraction_and_name_the_port():
-    from tasks.server_config import log_file_name
+    from tasks.server._config import log_file_name
 
     cfg = ServerConfig(model_path="m", port=31234)
     a, b = log_file_name(cfg, 0.8), log_file_name(cfg, None)

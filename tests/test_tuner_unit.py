@@ -1,4 +1,4 @@
-"""Unit tests of tasks.tuner: the state machine, memory stores, the tuned launch over a scripted launcher."""
+"""Unit tests of tasks.server._tuner: the state machine, memory stores, the tuned launch over a scripted launcher."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import threading
 
 import pytest
 
-from tasks.server import Failure, LaunchFailed, ServerConfig, StartupProgress
-from tasks.tuner import (
+from tasks.server import (
     Attempt,
+    Failure,
     FileStore,
     FractionMemory,
+    LaunchFailed,
     MemoryStoreError,
     PrefectStore,
+    ServerConfig,
+    StartupProgress,
     TuningPolicy,
     launch_tuned,
     list_remembered,
@@ -260,13 +263,13 @@ def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):
 
 
 def test_gpu_model_in_the_memory_key_comes_from_discovery(sim_gpus) -> None:
-    from tasks.tuner import gpu_model_name
+    from tasks.server import gpu_model_name
 
     assert gpu_model_name("local", [3]) == "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 
 
 def test_gpu_model_unreadable_is_unknown(monkeypatch) -> None:
-    from tasks.tuner import gpu_model_name
+    from tasks.server import gpu_model_name
 
     monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi

@@ -40,18 +40,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tasks.client import (
+from tasks.inference._client import (
     ClientConfig,
     GenerateClient,
     RequestRejected,
     ServerGone,
     default_concurrency,
 )
-from tasks.client import (
-    PromptTooLong as PromptTooLong,  # importable from here, as it always was
-)
-from tasks.inference_pool import InferencePool
-from tasks.inference_records import (
+from tasks.inference._pool import InferencePool
+from tasks.inference._records import (
     DEFAULT_SAMPLING,
     DatasetResult,
     DatasetSpec,
@@ -59,14 +56,11 @@ from tasks.inference_records import (
     estimate_records,
     fingerprint_server,
 )
-from tasks.shards import InputChanged, OutputDir, OutputLocked, ShardRecord
-from tasks.shards import Journal as Journal  # importable from here, as it always was
+from tasks.shards import OutputDir, ShardRecord
 
 __all__ = [
     "DatasetResult",
     "DatasetSpec",
-    "InputChanged",
-    "OutputLocked",
     "RequestRejected",
     "ServerGone",
     "ShardProgress",
@@ -208,7 +202,7 @@ def run_dataset(spec: DatasetSpec, out_dir: str | Path, server_url: str, **kwarg
     ``on_shard_committed(ShardRecord)``, ``progress(ShardProgress)``, ``api_key``, ``client_config``
     (timeouts/retries/transport), ``run_info`` (lock body: flow_run...), ``server_alive`` (liveness of
     the server process, e.g. ``ServerHandle.is_alive``: consulted on connection errors, so that a dead
-    server raises ``ServerGone`` at once instead of after every retry; see tasks.client).
+    server raises ``ServerGone`` at once instead of after every retry; see tasks.inference._client).
 
     Raises ``ServerGone`` (with ``rows_done``/``result``), ``RequestRejected``, ``InputChanged``,
     ``OutputLocked``, ``tasks.prompts.TemplateError`` (template does not load), ``OSError`` (input

@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from tasks.shards_errors import InputChanged, ManifestError
-from tasks.shards_fs import atomic_write_bytes, utc_now_iso
+from tasks.shards._errors import InputChanged, ManifestError
+from tasks.shards._fs import atomic_write_bytes, utc_now_iso
 
 __all__ = [
     "MANIFEST_FILE",

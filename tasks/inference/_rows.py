@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from tasks.client import GenerateResult
+from tasks.inference._client import GenerateResult
 
 __all__ = ["RowBuilder", "public_reject"]
 

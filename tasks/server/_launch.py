@@ -1,7 +1,7 @@
 """SGLang server lifecycle: launch, readiness and a clean stop (the public face of tasks.server_*).
 
-Modules: ``tasks.server_config`` (ServerConfig, the command line, the API-key bootstrap),
-``tasks.server_log`` (failure classifier, startup progress, LaunchFailed), ``tasks.server_remote``
+Modules: ``tasks.server._config`` (ServerConfig, the command line, the API-key bootstrap),
+``tasks.server._log`` (failure classifier, startup progress, LaunchFailed), ``tasks.server._remote``
 (ssh:// and pct:// targets); every public name of those is importable from here.
 
 Errors::
@@ -17,9 +17,9 @@ The server runs in its own session (process group), so stopping it is one ``kill
 every scheduler, even one reparented to PID 1. Readiness is ``/health_generate`` answering 200 while
 the process is alive (shared/reference/sglang.md); a 200 from anything else proves nothing.
 
-API key: never on a command line, locally or on a target (see tasks.server_config); the server's log
+API key: never on a command line, locally or on a target (see tasks.server._config); the server's log
 has it replaced by ``***``. Remote targets (``ssh://``, ``pct://``): the server runs detached on the
-target bound to its loopback, reached through an SSH port forward (see tasks.server_remote).
+target bound to its loopback, reached through an SSH port forward (see tasks.server._remote).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 import psutil
 
-from tasks import server_remote
-from tasks.server_config import (
+from tasks.server import _remote as server_remote
+from tasks.server._config import (
     API_KEY_ENV,
     BOOTSTRAP_ENV,
     SPECULATIVE_ALGORITHMS,
@@ -56,7 +56,7 @@ from tasks.server_config import (
     redact,
     server_flags,
 )
-from tasks.server_log import (
+from tasks.server._log import (
     Failure,
     FailureKind,
     LaunchFailed,

@@ -1,6 +1,6 @@
 """Partition settings as frozen value objects, and command-line overrides of them.
 
-``PartitionConfig`` is what ``load_partition`` (tasks.config_load) returns; ``with_overrides``
+``PartitionConfig`` is what ``load_partition`` (tasks.config._load) returns; ``with_overrides``
 applies ``datagen run`` options and deployment parameters with the same checks as the file.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config_checks import ConfigError, fraction, parser_name, positive_int
+from tasks.config._checks import ConfigError, fraction, parser_name, positive_int
 
 __all__ = ["BACKENDS", "PartitionConfig", "ServerSettings", "SimGpuSettings", "check_model"]
 

@@ -18,7 +18,7 @@ Forced parsers follow SGLang's source, which is stricter than the parser names s
 ``gpt-oss`` are always forced; ``kimi`` is never forced (its detector ignores the flag); the others
 are forced when ``force_reasoning=True`` (the chat template opened the think block in the prompt).
 
-``gpt-oss`` uses the Harmony channel format, parsed by :mod:`tasks._harmony` (a port of SGLang's
+``gpt-oss`` uses the Harmony channel format, parsed by :mod:`tasks.reasoning._harmony` (a port of SGLang's
 HarmonyParser behaviour, its quirks included).
 
 ``reasoning`` is "" (not None) when a reasoning block is present but empty, e.g. ``<think></think>x``.
@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks._harmony import parse_harmony
+from tasks.reasoning._harmony import parse_harmony
 
 __all__ = ["PARSERS", "ParserSpec", "parser_for_model", "split_reasoning", "tags_for"]
 

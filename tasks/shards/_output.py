@@ -44,12 +44,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from tasks.shards_commit import append_rejects, read_rejects, rows_to_table, write_parquet
-from tasks.shards_errors import InputChanged, ManifestError, OutputLocked, ShardsError
-from tasks.shards_fs import check_dataset_name, shard_file_name, utc_now_iso
-from tasks.shards_journal import JOURNAL_FSYNC_INTERVAL_S, Journal, JournalContents
-from tasks.shards_lock import LOCK_FILE, OutputLock, held_lock, lock_holder, read_lock_body
-from tasks.shards_manifest import (
+from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
+from tasks.shards._errors import InputChanged, ManifestError, OutputLocked, ShardsError
+from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
+from tasks.shards._journal import JOURNAL_FSYNC_INTERVAL_S, Journal, JournalContents
+from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder, read_lock_body
+from tasks.shards._manifest import (
     MANIFEST_FILE,
     MANIFEST_VERSION,
     CommittedShard,
@@ -64,7 +64,7 @@ from tasks.shards_manifest import (
     set_totals,
     write_manifest,
 )
-from tasks.shards_recovery import (
+from tasks.shards._recovery import (
     journal_indices,
     prune_rejects,
     remove_orphan_shards,

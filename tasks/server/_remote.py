@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.server_config import ServerConfig, launch_argv, launch_env, log_file_name
-from tasks.server_log import Failure, LaunchFailed
+from tasks.server._config import ServerConfig, launch_argv, launch_env, log_file_name
+from tasks.server._log import Failure, LaunchFailed
 from tasks.targets import Target, parse_target, run_command, ssh_command, start_detached
 
 __all__ = ["RemoteStart", "Tunnel", "is_alive", "kill_group", "open_tunnel", "read_log", "start_remote"]

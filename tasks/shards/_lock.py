@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from tasks.shards_errors import OutputLocked
-from tasks.shards_fs import utc_now_iso
+from tasks.shards._errors import OutputLocked
+from tasks.shards._fs import utc_now_iso
 
 __all__ = ["LOCK_FILE", "OutputLock", "held_lock", "lock_holder", "read_lock_body"]
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.client import GenerateClient, PromptTooLong
-from tasks.inference_records import DatasetResult, DatasetSpec, ShardProgress
-from tasks.inference_rows import RowBuilder, public_reject
+from tasks.inference._client import GenerateClient, PromptTooLong
+from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
+from tasks.inference._rows import RowBuilder, public_reject
 from tasks.shards import Journal, OutputDir, ShardRecord
 
 __all__ = ["InferencePool"]

@@ -1,4 +1,4 @@
-"""Remembered ``--mem-fraction-static`` values of tasks.tuner, per host, model and flags.
+"""Remembered ``--mem-fraction-static`` values of tasks.server._tuner, per host, model and flags.
 
 ``FractionMemory`` keeps per key (``memory_key``: host + model + tp + GPU model + memory-relevant
 flags) the fraction that worked, the headroom SGLang reported, and the lowest fraction seen to OOM
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from tasks.server import ServerConfig, format_fraction, server_flags
-from tasks.shards_fs import fsync_dir
+from tasks.server._launch import ServerConfig, format_fraction, server_flags
+from tasks.shards._fs import fsync_dir
 
 __all__ = [
     "FileStore",
@@ -46,8 +46,8 @@ __all__ = [
     "state_dir",
 ]
 
-# The tuner's logger: these records are part of what tasks.tuner reports.
-log = logging.getLogger("tasks.tuner")
+# The tuner's logger: these records are part of what tasks.server._tuner reports.
+log = logging.getLogger("tasks.server._tuner")
 
 HISTORY_KEPT = 10  # events kept per entry, newest last
 

@@ -1,6 +1,6 @@
 """What a server's log says: the failure classifier and the startup-progress parser.
 
-``classify_failure`` (re-exported by tasks.tuner) reads the log text and exit status of a failed
+``classify_failure`` (re-exported by tasks.server._tuner) reads the log text and exit status of a failed
 launch; ``parse_progress`` folds SGLang's startup lines into a ``StartupProgress``. Both accept the
 old and new line forms of shared/reference/sglang.md and never raise.
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from tasks.server_config import ServerError, format_fraction
+from tasks.server._config import ServerError, format_fraction
 
 __all__ = [
     "Failure",

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from tasks.config_checks import (
+from tasks.config._checks import (
     ConfigError,
     check_target,
     fraction,
@@ -26,7 +26,7 @@ from tasks.config_checks import (
     resolve_path,
     table,
 )
-from tasks.config_model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings, check_model
+from tasks.config._model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings, check_model
 
 __all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
 
@@ -34,7 +34,7 @@ __all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root
 def project_root() -> Path:
     """The datagen checkout: ``$DATAGEN_HOME`` when set, else the folder above this package."""
     env = os.environ.get("DATAGEN_HOME")
-    return Path(env).resolve() if env else Path(__file__).resolve().parent.parent
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[2]
 
 
 def deployments_dir() -> Path:
@@ -44,7 +44,7 @@ def deployments_dir() -> Path:
 
 def state_dir() -> Path:
     """Where datagen keeps state between runs (``$DATAGEN_STATE_DIR``, default
-    ``~/.local/state/datagen``), shared with tasks.tuner's fraction memory."""
+    ``~/.local/state/datagen``), shared with tasks.server._tuner's fraction memory."""
     env = os.environ.get("DATAGEN_STATE_DIR")
     return Path(env) if env else Path.home() / ".local" / "state" / "datagen"
 

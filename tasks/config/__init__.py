@@ -54,9 +54,9 @@ checks and ``ConfigError``).
 
 from __future__ import annotations
 
-from tasks.config_checks import ConfigError
-from tasks.config_load import deployments_dir, list_partitions, load_partition, project_root, state_dir
-from tasks.config_model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings
+from tasks.config._checks import ConfigError
+from tasks.config._load import deployments_dir, list_partitions, load_partition, project_root, state_dir
+from tasks.config._model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings
 
 __all__ = [
     "BACKENDS",

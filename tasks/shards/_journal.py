@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from tasks.shards_fs import fsync_dir
+from tasks.shards._fs import fsync_dir
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "Journal", "JournalContents"]
 

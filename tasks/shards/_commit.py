@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
-from tasks.shards_fs import append_durable, atomic_write_bytes
+from tasks.shards._fs import append_durable, atomic_write_bytes
 
 __all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
 

@@ -1,6 +1,6 @@
 """Value checks for partition configs: each names the file (or "override") and the key it rejects.
 
-Shared by the TOML loader (tasks.config_load) and command-line overrides (tasks.config_model). Each
+Shared by the TOML loader (tasks.config._load) and command-line overrides (tasks.config._model). Each
 check takes the value, ``f`` (the file, or "override") and the key; it returns the value with its
 checked type and raises ``ConfigError`` ("<f>: <key>: <what is wrong>") otherwise.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from tasks.shards_fs import TMP_MARK, atomic_write_bytes, shard_index_of
+from tasks.shards._fs import TMP_MARK, atomic_write_bytes, shard_index_of
 
 __all__ = [
     "journal_indices",

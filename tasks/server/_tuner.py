@@ -6,7 +6,7 @@ bisects. Every value stays within ``bounds``; a value already tried, a bracket n
 ``min_gap``, or ``max_attempts`` ends the search with a message naming every attempt. Failures that
 no fraction fixes (port in use, bad flag, missing model, host memory, unknown, timeout) end it at once.
 
-Memory (``FractionMemory`` and its stores, in tasks.tuner_memory; importable from here) keeps per
+Memory (``FractionMemory`` and its stores, in tasks.server._memory; importable from here) keeps per
 key (host + model + tp + GPU model + memory-relevant flags) the fraction that worked, its headroom and
 the lowest fraction seen to OOM at run time: a Prefect Variable per key when the Prefect API answers,
 else ``$DATAGEN_STATE_DIR/fractions.json``.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tasks.server import (
+from tasks.server._launch import (
     Failure,
     LaunchFailed,
     ServerConfig,
@@ -34,8 +34,7 @@ from tasks.server import (
     format_fraction,
     launch,
 )
-from tasks.server import server_flags as server_flags  # importable from here, as it always was
-from tasks.tuner_memory import (
+from tasks.server._memory import (
     FileStore,
     FractionMemory,
     MemoryEntry,
@@ -47,7 +46,6 @@ from tasks.tuner_memory import (
     prefect_api_reachable,
     state_dir,
 )
-from tasks.tuner_memory import Store as Store  # importable from here, as it always was
 
 __all__ = [
     "DEFAULT_FRACTION",
