@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(PY) -m mypy datagen emulator tasks flows
 
 unit: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest tests/unit -m "not slow"
 
 test: lint
 	$(PY) -m pytest

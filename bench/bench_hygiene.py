@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
 from tasks.hygiene import clean_gpus  # noqa: E402
-from tests.test_hygiene_support import Holder, start_holder, stop_holders  # noqa: E402
+from tests.support.hygiene import Holder, start_holder, stop_holders  # noqa: E402
 
 GRACE_S = 2.0
 

@@ -1,10 +1,10 @@
-"""Shared fixtures live in tests/fixtures/*, one module per area, loaded as plugins here."""
+"""Shared fixtures live in tests/support/*, one module per area, loaded as plugins here."""
 
 pytest_plugins = [
-    "tests.fixtures.common",
-    "tests.fixtures.emulator",
-    "tests.fixtures.sshd",
-    "tests.fixtures.prefect",
+    "tests.support.common",
+    "tests.support.emulator",
+    "tests.support.sshd",
+    "tests.support.prefect",
 ]
 
 

@@ -1,0 +1,252 @@
+"""End to end through Prefect: a real server, `datagen up` (pool, limits, `prefect deploy --all`,
+process worker), deployment runs of datagen/demo and their recovery paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from emulator.simgpu import SimGpus
+from tests.support.common import pid_alive
+from tests.support.paths import REPO_ROOT
+from tests.support.prefect import PrefectServer
+
+pytestmark = pytest.mark.slow
+ROOT = REPO_ROOT
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+class Api:
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def run(self, deployment: str, **params: Any) -> str:
+        dep = self.http.get(f"/deployments/name/{deployment}").raise_for_status().json()
+        deadline = time.monotonic() + 30
+        while True:  # SQLite under a loaded machine answers 503 now and then
+            fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
+            if fr.status_code != 503 or time.monotonic() > deadline:
+                return str(fr.raise_for_status().json()["id"])
+            time.sleep(0.5)
+
+    def state(self, run_id: str) -> dict[str, Any]:
+        return self.http.get(f"/flow_runs/{run_id}").raise_for_status().json()["state"] or {}
+
+    def wait(self, run_id: str, types: set[str], deadline_s: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            st = self.state(run_id)
+            if st.get("type") in types:
+                return st
+            assert time.monotonic() < deadline, f"run {run_id} still {st.get('type')} {st.get('message')}"
+            time.sleep(0.3)
+
+    def logs(self, run_id: str) -> str:
+        body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
+        return "\n".join(r["message"] for r in reversed(self.http.post("/logs/filter", json=body).json()))
+
+
+@pytest.fixture(scope="module")
+def stack(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`datagen up` against the session's server: pool, gpu limits, deployments, one worker."""
+    base = tmp_path_factory.mktemp("e2e")
+    env = prefect_server.env(
+        DATAGEN_HOME=str(ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
+        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+    )
+    env.pop("DATAGEN_SIM_GPUS", None)  # the demo partition creates its own under the output
+    up = subprocess.run([DATAGEN, "up", "--api-url", prefect_server.api_url], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=240)
+    api = Api(prefect_server.api_url)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"Prefect UI: {prefect_server.api_url.removesuffix('/api')}" in up.stdout
+        worker = json.loads((base / "run" / "worker.pid").read_text())["pid"]
+        yield {"env": env, "base": base, "api": api, "worker": worker}
+    finally:
+        api.http.close()
+        down = subprocess.run([DATAGEN, "down"], env=env, capture_output=True, text=True, timeout=60)
+        assert "worker: pid" in down.stdout, down.stdout + down.stderr
+        assert pid_alive(prefect_server.pid)  # `down` stops only what `up` started
+
+
+def _rows(out: Path) -> dict[str, list[str]]:
+    ids: dict[str, list[str]] = {}
+    for f in sorted(out.glob("*/shard-*.parquet")):
+        ids.setdefault(f.parent.name, []).extend(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def _partition(tmp: Path, name: str, extra_args: list[str], run: str = "", sampling: str = "") -> Path:
+    f = tmp / f"{name}.toml"
+    f.write_text(
+        f'[datasets]\nglaive_like = "{ROOT}/data/samples/glaive_like.jsonl"\n'
+        f'[model]\npath = "{ROOT}/data/models/demo"\nreasoning_parser = "qwen3"\n'
+        f'[server]\nbackend = "emulator"\ntp_size = 1\nextra_args = {json.dumps(extra_args)}\n'
+        f"[sim_gpus]\ncount = 2\n"
+        f"[run]\nshard_size = 50\nconcurrency = 16\nhygiene_grace_s = 2\nhang_timeout_s = 4\n{run}"
+        f"[sampling]\nmax_new_tokens = 256\n{sampling}"
+        f'[output]\nroot = "{tmp / name}"\n'
+    )
+    return f
+
+
+def test_up_deploys_every_partition_with_limits(stack: dict[str, Any]) -> None:
+    http = stack["api"].http
+    deps = http.post("/deployments/filter", json={}).json()
+    by_name = {d["name"]: d for d in deps}
+    assert set(by_name) >= {"all", "demo", "glaive_like", "opencode_like"}
+    for d in by_name.values():
+        assert d["work_pool_name"] == "gpu" and d["global_concurrency_limit"]["limit"] == 1
+        assert d["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    sched = by_name["all"]["schedules"]
+    assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in sched] == [("0 2 * * *", "UTC")]
+    assert not by_name["demo"]["schedules"]
+    limits = http.post("/v2/concurrency_limits/filter", json={}).json()
+    assert any(lim["name"].startswith("gpu:") and lim["limit"] == 1 for lim in limits)
+
+
+def test_demo_deployment_completes_and_second_run_is_rejected(stack: dict[str, Any], tmp_path: Path) -> None:
+    api: Api = stack["api"]
+    out = tmp_path / "demo-out"
+    watch = subprocess.Popen(
+        [PREFECT, "deployment", "run", "datagen/demo", "--params", json.dumps({"out": str(out)}), "--watch"],
+        env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        runs: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60
+        while not runs:  # the watched run, once it exists (not the nightly run `all` has scheduled)
+            runs = [r for r in api.http.post("/flow_runs/filter", json={}).json()
+                    if r["parameters"].get("out") == str(out)]
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        first = runs[0]["id"]
+        api.wait(first, {"RUNNING"}, 90)
+        second = api.run("datagen/demo", out=str(tmp_path / "second"))
+        st = api.wait(second, {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}, 60)
+        assert st["type"] == "CANCELLED", st
+        output, _ = watch.communicate(timeout=150)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, output
+    assert "Completed" in output
+    rows = _rows(out)
+    assert {k: len(set(v)) for k, v in rows.items()} == {"glaive_like": 300, "opencode_like": 300}
+    assert all(len(v) == len(set(v)) for v in rows.values())
+    assert SimGpus(out / "_sim-gpus.json").snapshot()["gpus"][0]["used_mib"] == 0
+    assert not (tmp_path / "second").exists() or not list((tmp_path / "second").glob("*/shard-*.parquet"))
+
+
+def test_runtime_oom_relaunches_lower_and_completes(stack: dict[str, Any], tmp_path: Path) -> None:
+    api: Api = stack["api"]
+    part = _partition(tmp_path, "oom", [])
+    run = api.run("datagen/demo", partition=str(part), mem_fraction_static=0.93)
+    st = api.wait(run, {"COMPLETED", "FAILED", "CRASHED"}, 150)
+    logs = api.logs(run)
+    assert st["type"] == "COMPLETED", st["message"] + logs[-3000:]
+    assert "recorded runtime OOM at fraction 0.93" in logs
+    assert len(set(_rows(tmp_path / "oom")["glaive_like"])) == 300
+    status = subprocess.run([DATAGEN, "status", str(tmp_path / "oom"), "--json"], env=stack["env"],
+                            capture_output=True, text=True, timeout=60)
+    learned = [e for e in json.loads(status.stdout)["learned_fractions"] if e.get("runtime_oom_at") == 0.93]
+    assert learned and learned[0]["fraction"] < 0.93
+
+
+def test_hang_is_detected_and_recovered(stack: dict[str, Any], tmp_path: Path) -> None:
+    api: Api = stack["api"]
+    part = _partition(tmp_path, "hang", ["--emu-hang-after", "200"])
+    run = api.run("datagen/demo", partition=str(part))
+    st = api.wait(run, {"COMPLETED", "FAILED", "CRASHED"}, 150)
+    logs = api.logs(run)
+    assert st["type"] == "COMPLETED", st["message"] + logs[-3000:]
+    assert "not answering /health_generate" in logs
+    ids = _rows(tmp_path / "hang")["glaive_like"]
+    assert len(ids) == len(set(ids)) == 300
+
+
+def _flow_process(worker: int, run_id: str, deadline_s: float = 60) -> psutil.Process:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for p in psutil.Process(worker).children(recursive=True):
+            try:
+                if p.environ().get("PREFECT__FLOW_RUN_ID") == run_id:
+                    return p
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no flow-run process for {run_id} under worker {worker}")
+
+
+def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[str, Any], tmp_path: Path) -> None:
+    api: Api = stack["api"]
+    part = _partition(tmp_path, "kill", ["--emu-decode-ms-per-step", "40"], run="", sampling="")
+    out = tmp_path / "kill"
+    run = api.run("datagen/demo", partition=str(part))
+    api.wait(run, {"RUNNING"}, 90)
+    proc = _flow_process(stack["worker"], run)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("glaive_like/shard-*.parquet")):
+        assert time.monotonic() < deadline, "no shard committed"
+        time.sleep(0.1)
+    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
+    server_pid = record["servers"][0]["pid"]
+    assert pid_alive(server_pid)
+    proc.send_signal(signal.SIGKILL)
+    st = api.wait(run, {"CRASHED", "FAILED", "COMPLETED"}, 60)
+    assert st["type"] == "CRASHED", st
+    deadline = time.monotonic() + 60
+    rec_path = stack["base"] / "state" / "runs" / f"{run}.json"
+    while "cleanup" not in json.loads(rec_path.read_text()):  # written by the hook, in the worker
+        assert time.monotonic() < deadline, "crash hook did not run"
+        time.sleep(0.3)
+    assert json.loads(rec_path.read_text())["cleanup"]["state"] == "Crashed"
+    assert not pid_alive(server_pid)
+    assert all(g["used_mib"] == 0 for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"])
+    manifest = json.loads((out / "_manifest.json").read_text())
+    before = manifest["datasets"]["glaive_like"]["shards"]
+    assert 1 <= len(before) < 6
+    rerun = api.run("datagen/demo", partition=str(part))
+    st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
+    assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
+    ids = _rows(out)["glaive_like"]
+    assert len(ids) == len(set(ids)) == 300
+    after = json.loads((out / "_manifest.json").read_text())["datasets"]["glaive_like"]["shards"]
+    assert len(after) == 6
+    assert {k: after[k] for k in before} == before  # committed shards were not redone
+
+
+def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[str, Any], tmp_path: Path) -> None:
+    api: Api = stack["api"]
+    part = _partition(tmp_path, "bad", [], sampling="max_new_tokens = 8\n")
+    part.write_text(part.read_text().replace("max_new_tokens = 256\n", ""))
+    run = api.run("datagen/demo", partition=str(part))
+    st = api.wait(run, {"COMPLETED", "FAILED", "CRASHED"}, 150)
+    logs = api.logs(run)
+    assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
+    assert logs.count("Beginning flow run") <= 1 and "Retrying" not in logs  # neither flow nor task retried
+    rec_path = stack["base"] / "state" / "runs" / f"{run}.json"
+    deadline = time.monotonic() + 60
+    # Prefect reports FAILED before the on_failure hook has finished: wait for the hook's mark.
+    while "cleanup" not in (record := json.loads(rec_path.read_text())):
+        assert time.monotonic() < deadline, "failure hook did not run"
+        time.sleep(0.3)
+    assert record["cleanup"]["state"] == "Failed"
+    assert all(not pid_alive(s["pid"]) for s in record["servers"])
+    assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "bad" / "_sim-gpus.json").snapshot()["gpus"])
+    assert os.path.exists(tmp_path / "bad" / "_validation.json")

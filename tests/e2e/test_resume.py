@@ -1,0 +1,85 @@
+"""Exactly-once resume against the real emulator: kill -9 of the run, server crash, torn journal, temp files."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import orjson
+import pytest
+
+from tasks.inference import ServerGone
+from tasks.shards import OutputDir
+from tests.support.inference import (
+    EMU_ARGS,
+    assert_exactly_once,
+    metrics,
+    rows_on_disk,
+    run,
+    start_driver,
+    wait_idle,
+    write_input,
+)
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_rerun_every_id_once(tmp_path, sim_gpus, emulator_factory, reap_pids):
+    # 5 ms per decode step: about 2 s per run, so the kill lands mid-run
+    em = emulator_factory(EMU_ARGS + ["--emu-decode-ms-per-step", "5"])
+    inp = tmp_path / "in.jsonl"
+    ids = write_input(inp, 240, bad_at=(17, 150))
+    usable = len(ids)
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        out = tmp_path / f"out-{seed}"
+        proc = start_driver(inp, out, em.url, shard=20, conc=32)
+        reap_pids.append(proc.pid)
+        deadline = time.monotonic() + 30
+        while rows_on_disk(out) == 0:  # the driver is generating
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 1.0))  # a random instant of the run, not a synchronisation
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+        done = rows_on_disk(out)
+        print(f"seed {seed}: {done} of {usable} rows on disk at the kill")
+        before = wait_idle(em.url)["num_requests_total"]
+        r = run(inp, out, em.url, shard=20)
+        # journaled and committed rows are not regenerated: one request per missing row
+        assert r.requests == usable - done == r.rows_generated
+        assert metrics(em.url)["num_requests_total"] - before == usable - done
+        assert_exactly_once(out, ids)
+        assert len(OutputDir(out).read_rejects("ds")) == 2
+
+
+def test_server_crash_mid_shard_relaunch_resume_with_torn_journal_and_temp_file(
+    tmp_path, sim_gpus, emulator_factory
+):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 200)
+    crashing = emulator_factory(EMU_ARGS + ["--emu-crash-after", "90"], wait_ready=True)
+    with pytest.raises(ServerGone) as e:
+        run(inp, out, crashing.url, shard=32)
+    assert e.value.rows_done > 0 and e.value.result.rows_generated == e.value.rows_done
+    assert "stopped answering" in str(e.value) and "rerun to resume" in str(e.value)
+    assert crashing.wait_exit(timeout=15) == -signal.SIGKILL
+    o = OutputDir(out)
+    open_shards = [k for k in o.open_journals("ds") if k not in o.committed_indices("ds")]
+    assert open_shards, "the crash should leave a shard open mid-way"
+    # a torn last journal line (killed inside write) and a leftover temp shard from a dead commit
+    with open(o.journal_path("ds", open_shards[0]), "ab") as f:
+        f.write(orjson.dumps({"id": "q00199", "dataset": "ds", "raw": "half"})[:25])
+    (out / "ds").mkdir(exist_ok=True)
+    (out / "ds" / "shard-00005.parquet.tmp-4242").write_bytes(b"PAR1 partial")
+    done = rows_on_disk(out)
+    assert 0 < done < 200
+
+    relaunched = emulator_factory(EMU_ARGS)
+    r = run(inp, out, relaunched.url, shard=32)
+    assert r.recovered["temp_files"] == 1 and r.rows_resumed > 0
+    assert metrics(relaunched.url)["num_requests_total"] == 200 - done == r.requests
+    assert not (out / "ds" / "shard-00005.parquet.tmp-4242").exists()
+    assert_exactly_once(out, ids)

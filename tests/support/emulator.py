@@ -1,0 +1,183 @@
+"""Fixtures for the SGLang emulator: start it as a real process on a loopback port, stop it by pid.
+
+``start_emulator(args, env=None, log_path=None)`` starts ``python -m emulator ARGS`` in its own session
+(stdout and stderr to a log file), adds ``--port`` (a free port) and ``--model-path data/models/demo``
+when missing, and by default waits until ``/health_generate`` answers 200. ``emulator_factory`` is a
+pytest fixture returning that function and stopping every emulator it started (process group SIGKILL,
+plus any descendant that escaped the group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.common import free_port
+from tests.support.paths import REPO_ROOT
+
+REPO = REPO_ROOT
+DEMO_MODEL = REPO / "data" / "models" / "demo"
+
+# fast startup phases; tests that care about a phase pass their own value (later flags win)
+FAST_ARGS = ["--emu-load-time", "0.05", "--emu-graph-time", "0.02", "--emu-warmup-time", "0.05"]
+
+__all__ = ["EmulatorProc", "start_emulator", "emulator_factory", "FAST_ARGS", "DEMO_MODEL", "http_status"]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """HTTP status of a GET, or None when the connection is refused / fails."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+@dataclass
+class EmulatorProc:
+    """A running emulator: ``pid`` (main process, its own session leader), ``url``, ``log_path``."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    port: int
+    log_path: Path
+    descendants: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            kids = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self.descendants.update(k.pid for k in kids)
+        return kids
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Poll /health_generate until 200. Raises RuntimeError (with the log) on exit or timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.children()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"emulator exited {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            if http_status(self.url + "/health_generate", timeout=1.0) == 200:
+                self.children()
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"emulator not ready after {timeout} s:\n{self.log_text()[-3000:]}")
+
+    def wait_exit(self, timeout: float = 15.0) -> int:
+        """Wait for the main process to exit; returns its returncode (-9 for SIGKILL)."""
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        """SIGKILL the process group and every descendant seen; reap the main process."""
+        self.children()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        procs = []
+        for pid in self.descendants:
+            try:
+                p = psutil.Process(pid)
+                p.send_signal(signal.SIGKILL)
+                procs.append(p)
+            except psutil.Error:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        # descendants were reparented: a zombie awaiting its new parent's reap is already dead
+        deadline = time.monotonic() + 5
+        while procs and time.monotonic() < deadline:
+            procs = [p for p in procs if _alive(p)]
+            if procs:
+                time.sleep(0.01)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start_emulator(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    log_path: str | os.PathLike[str] | None = None,
+    *,
+    wait_ready: bool = True,
+    timeout: float = 30.0,
+    fast: bool = True,
+) -> EmulatorProc:
+    """Start ``python -m emulator`` with ``args``. ``env`` entries are added to os.environ.
+
+    Raises RuntimeError when ``wait_ready`` and the emulator exits or is not ready within ``timeout``.
+    """
+    args = list(args)
+    if "--port" not in args:
+        args += ["--port", str(free_port())]
+    if "--model-path" not in args and "--model" not in args:
+        args += ["--model-path", str(DEMO_MODEL)]
+    if fast:
+        args = FAST_ARGS + args
+    port = int(args[args.index("--port") + 1])
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="emulator-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "emulator", *args],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, cwd=str(REPO), start_new_session=True,
+        )
+    em = EmulatorProc(proc=proc, url=f"http://127.0.0.1:{port}", port=port, log_path=Path(log_path))
+    if wait_ready:
+        try:
+            em.wait_ready(timeout)
+        except BaseException:
+            em.stop()
+            raise
+    return em
+
+
+@pytest.fixture
+def emulator_factory() -> Iterator[object]:
+    """``start_emulator`` that stops everything it started when the test ends."""
+    started: list[EmulatorProc] = []
+
+    def factory(args: list[str], env: dict[str, str] | None = None,
+                log_path: str | os.PathLike[str] | None = None, **kw: object) -> EmulatorProc:
+        em = start_emulator(args, env=env, log_path=log_path, **kw)  # type: ignore[arg-type]
+        started.append(em)
+        return em
+
+    yield factory
+    for em in started:
+        em.stop()

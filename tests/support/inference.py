@@ -1,0 +1,116 @@
+"""Inference test helpers: input writer, output readers, /metrics reader, subprocess driver."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from tasks.inference import ClientConfig, DatasetSpec, run_dataset
+from tasks.shards import Journal, OutputDir
+from tests.support.emulator import DEMO_MODEL
+from tests.support.paths import REPO_ROOT
+
+REPO = REPO_ROOT
+FAST_CLIENT = ClientConfig(max_attempts=3, backoff_base_s=0.02, backoff_max_s=0.1, connect_timeout_s=2,
+                           request_timeout_s=30)
+# Zero prefill time and a small decode step: a few hundred rows take about a second.
+EMU_ARGS = ["--mem-fraction-static", "0.88", "--emu-prefill-us-per-token", "0",
+            "--emu-decode-ms-per-step", "1", "--emu-output-tokens", "40", "--max-running-requests", "32"]
+
+
+def write_input(path: Path, n: int, *, bad_at: tuple[int, ...] = (), long_at: tuple[int, ...] = ()) -> list[str]:
+    """JSONL with ``n`` usable rows ``q00000``...; bad lines before records in ``bad_at``; long prompts."""
+    ids = []
+    with open(path, "w") as f:
+        for i in range(n):
+            if i in bad_at:
+                f.write("{not json\n")
+            words = " ".join(f"w{j}" for j in range(600)) if i in long_at else f"question number {i}"
+            f.write(json.dumps({"id": f"q{i:05d}", "messages": [{"role": "user", "content": words}]}) + "\n")
+            ids.append(f"q{i:05d}")
+    return ids
+
+
+def committed_ids(out: Path, dataset: str = "ds") -> list[str]:
+    ids: list[str] = []
+    for rec in OutputDir(out).committed_shards(dataset):
+        ids.extend(pq.read_table(rec.path, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def rows_on_disk(out: Path, dataset: str = "ds") -> int:
+    """Rows committed plus rows in the journals of uncommitted shards (what a rerun must not redo)."""
+    o = OutputDir(out)
+    committed = o.committed_indices(dataset)
+    n = sum(r.rows for r in o.committed_shards(dataset))
+    for k in o.open_journals(dataset):
+        if k not in committed:
+            n += len(Journal.read(o.journal_path(dataset, k)).rows)
+    return n
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^sglang:(\w+)\{[^}]*\} (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits (requests of a killed client drained)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"emulator still busy: {m}")
+        time.sleep(0.02)
+
+
+def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
+    got = committed_ids(out, dataset)
+    rejected = {r.get("id") for r in OutputDir(out).read_rejects(dataset)}
+    expected = [i for i in ids if i not in rejected]
+    assert sorted(got) == sorted(expected), (len(got), len(set(got)), len(expected))
+    manifest = OutputDir(out).read_manifest()
+    assert manifest is not None and manifest["datasets"][dataset]["complete"] is True
+
+
+DRIVER = """
+import json, sys
+from tasks.inference import ClientConfig
+from tasks.inference import DatasetSpec, run_dataset
+a = json.loads(sys.argv[1])
+r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=a["shard"],
+                concurrency=a["conc"], sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
+                client_config=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+print(json.dumps(r.to_dict()), flush=True)
+"""
+
+
+def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
+                 flow_run: str | None = None) -> subprocess.Popen[bytes]:
+    args = json.dumps({"input": str(inp), "out": str(out), "url": url, "model": str(DEMO_MODEL),
+                       "shard": shard, "conc": conc, "flow_run": flow_run})
+    return subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def run(inp: Path, out: Path, url: str, shard: int = 16, **kw: Any):
+    kw.setdefault("client_config", FAST_CLIENT)
+    kw.setdefault("sampling", {"max_new_tokens": 64})
+    kw.setdefault("concurrency", 32)
+    return run_dataset(DatasetSpec("ds", inp), out, url, model_dir=DEMO_MODEL, shard_size=shard, **kw)

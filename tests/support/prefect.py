@@ -1,0 +1,89 @@
+"""A real Prefect server for the session: ``prefect server start`` on 127.0.0.1:<free port> with a
+temporary PREFECT_HOME (SQLite) and analytics off; stopped by pid (its process group) at the end.
+
+``prefect_server`` yields a ``PrefectServer`` with ``api_url``, ``home`` and ``env()`` (the
+environment for subprocesses: CLI, workers, `datagen`). In-process use goes through
+``prefect_api(prefect_server)`` (temporary settings), never a second harness.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.common import free_port
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class PrefectServer:
+    api_url: str
+    home: Path
+    pid: int
+    log: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PREFECT_API_URL=self.api_url,
+            PREFECT_HOME=str(self.home),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            DO_NOT_TRACK="1",
+            PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        )
+        env.update(extra)
+        return env
+
+
+def _stop_group(pid: int) -> None:
+    """SIGTERM the tree led by ``pid``, SIGKILL what is left after 10 s (the same stop as `datagen down`)."""
+    from datagen.cmd_up import _stop
+
+    try:
+        proc = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    _stop(proc, signal.SIGTERM, 10.0)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    log = home / "server.log"
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    env.pop("PREFECT_API_URL", None)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+    server = PrefectServer(f"http://127.0.0.1:{port}/api", home, proc.pid, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{server.api_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server not healthy in 90 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        _stop_group(proc.pid)
+        proc.wait(timeout=10)

@@ -1,0 +1,159 @@
+"""A real OpenSSH server on a loopback port, for testing ssh:// and pct:// targets end to end.
+
+`start_sshd(workdir, address="127.0.0.1", set_env=None)` generates an ed25519 host key and client
+key in ``workdir``, writes authorized_keys and a known_hosts line for ``[address]:port``, and runs
+``/usr/sbin/sshd -D -e -f /dev/null -o ...`` (absolute path required by sshd; as root it needs
+/run/sshd). ``set_env`` becomes sshd ``SetEnv`` lines: the environment of every session, as a
+host's own profile would be (used to put a `pct` stand-in on the "Proxmox host" PATH).
+
+Fixtures:
+  ``sshd_server`` (session): one server for 127.0.0.1 whose sessions find the `pct` stand-in
+  (``pct exec CTID -- cmd...`` runs cmd on this host and appends CTID to ``server.pct_log``).
+  ``ssh_env`` (function): DATAGEN_SSH_KEY / DATAGEN_SSH_KNOWN_HOSTS set for that server; returns it.
+
+Every sshd started here is stopped by pid in a finally. Needs openssh-server (`apt-get install -y
+openssh-server`); tests are skipped with that hint when /usr/sbin/sshd is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.common import free_port
+
+SSHD = "/usr/sbin/sshd"
+
+PCT_STUB = """#!/bin/bash
+# Stand-in for Proxmox's pct: `pct exec CTID -- cmd...` runs cmd on this host, logging CTID.
+if [ "$1" != exec ] || [ -z "$2" ] || [ "$3" != "--" ]; then
+  echo "pct stand-in: usage: pct exec CTID -- command..." >&2
+  exit 2
+fi
+echo "$2" >> {log}
+shift 3
+exec "$@"
+"""
+
+
+@dataclass
+class SshServer:
+    host: str
+    port: int
+    pid: int
+    user: str
+    key_path: str
+    known_hosts: str
+    log_path: str
+    pct_log: str = ""
+
+    def url(self, kind: str = "ssh", ctid: int | None = None) -> str:
+        tail = f"/{ctid}" if kind == "pct" else ""
+        return f"{kind}://{self.user}@{self.host}:{self.port}{tail}"
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True,
+                   stdin=subprocess.DEVNULL)
+
+
+def stop_sshd(proc: subprocess.Popen[bytes]) -> None:
+    """Stop an sshd started by `start_sshd`, by pid: SIGTERM, then SIGKILL after 5 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_sshd(workdir: Path, address: str = "127.0.0.1", set_env: dict[str, str] | None = None,
+               deadline_s: float = 15.0) -> tuple[SshServer, subprocess.Popen[bytes]]:
+    """Start sshd on ``address``:<free port>; returns it once it accepts TCP connections.
+    Raises RuntimeError with the server log when it exits or does not listen in time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    host_key, client_key = workdir / "host_ed25519", workdir / "client_ed25519"
+    _keygen(host_key)
+    _keygen(client_key)
+    auth = workdir / "authorized_keys"
+    auth.write_text((workdir / "client_ed25519.pub").read_text())
+    port = free_port(address)
+    known = workdir / "known_hosts"
+    known.write_text(f"[{address}]:{port} {(workdir / 'host_ed25519.pub').read_text().split(' ')[0]} "
+                     f"{(workdir / 'host_ed25519.pub').read_text().split(' ')[1]}\n")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege-separation dir sshd insists on
+    log_path = workdir / "sshd.log"
+    opts = [
+        f"Port={port}", f"ListenAddress={address}", f"HostKey={host_key}", f"PidFile={workdir / 'sshd.pid'}",
+        f"AuthorizedKeysFile={auth}", "StrictModes=no", "PasswordAuthentication=no",
+        "KbdInteractiveAuthentication=no", "UsePAM=no", "PermitRootLogin=prohibit-password",
+        "Subsystem=sftp internal-sftp", "LogLevel=ERROR",
+    ]
+    if set_env:
+        opts.append("SetEnv=" + " ".join(f"{k}={v}" for k, v in set_env.items()))
+    argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
+    for o in opts:
+        argv += ["-o", o]
+    log = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+    deadline = time.monotonic() + deadline_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd exited {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            with socket.create_connection((address, port), timeout=0.5):
+                break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                stop_sshd(proc)
+                raise RuntimeError(
+                    f"sshd did not listen on {address}:{port}: {log_path.read_text()[-2000:]}") from exc
+            time.sleep(0.02)
+    server = SshServer(host=address, port=port, pid=proc.pid, user="root", key_path=str(client_key),
+                       known_hosts=str(known), log_path=str(log_path))
+    return server, proc
+
+
+@pytest.fixture(scope="session")
+def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+    if not os.path.exists(SSHD):
+        pytest.skip("openssh-server is not installed: apt-get install -y openssh-server")
+    workdir = tmp_path_factory.mktemp("sshd")
+    hostbin = workdir / "hostbin"
+    hostbin.mkdir()
+    pct_log = workdir / "pct.log"
+    stub = hostbin / "pct"
+    stub.write_text(PCT_STUB.format(log=pct_log))
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    path = f"{hostbin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    server, proc = start_sshd(workdir, set_env={"PATH": path})
+    server.pct_log = str(pct_log)
+    try:
+        yield server
+    finally:
+        stop_sshd(proc)
+
+
+@pytest.fixture
+def ssh_env(sshd_server: SshServer, monkeypatch: pytest.MonkeyPatch) -> SshServer:
+    """Point datagen's SSH settings at ``sshd_server`` (strict host-key checking on)."""
+    monkeypatch.setenv("DATAGEN_SSH_KEY", sshd_server.key_path)
+    monkeypatch.setenv("DATAGEN_SSH_KNOWN_HOSTS", sshd_server.known_hosts)
+    monkeypatch.setenv("DATAGEN_SSH_CONNECT_TIMEOUT", "5")
+    return sshd_server
+
+
+__all__ = ["SshServer", "start_sshd", "stop_sshd", "sshd_server", "ssh_env"]

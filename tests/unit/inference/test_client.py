@@ -1,0 +1,130 @@
+"""tasks.inference._client against the real emulator: transports, retries, rejects, server gone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tasks.inference import (
+    ClientConfig,
+    GenerateClient,
+    PromptTooLong,
+    RequestRejected,
+    ServerGone,
+    default_concurrency,
+    server_error_message,
+)
+from tests.support.common import free_port
+
+PROMPT = "<|im_start|>user\nWhat is a shard?<|im_end|>\n<|im_start|>assistant\n"
+FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "connect_timeout_s": 2.0, "request_timeout_s": 20.0}
+EMU = ["--mem-fraction-static", "0.88", "--emu-prefill-us-per-token", "0", "--emu-decode-ms-per-step", "0",
+       "--max-running-requests", "32"]
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_transports_agree_and_4xx_is_not_retried(sim_gpus, emulator_factory):
+    em = emulator_factory(EMU + ["--context-length", "300"])
+
+    async def go(transport):
+        async with GenerateClient(em.url, ClientConfig(transport=transport, **FAST)) as c:
+            info = await c.server_info()
+            res = await c.generate(PROMPT, {"max_new_tokens": 30, "sampling_seed": 7}, rid=f"row-{transport}")
+            with pytest.raises(RequestRejected) as bad:
+                await c.generate(PROMPT, {"temperature": -1}, rid="bad")
+            with pytest.raises(PromptTooLong) as long:
+                await c.generate("word " * 400, {"max_new_tokens": 5}, rid="long")
+            return info, res, bad.value, long.value, c.stats
+
+    results = {t: _run(go(t)) for t in ("httpx", "httpx-aiohttp", "aiohttp")}
+    texts = {t: r[1].text for t, r in results.items()}
+    assert len(set(texts.values())) == 1, texts
+    for t, (info, res, bad, long, stats) in results.items():
+        assert default_concurrency(info) == 64
+        assert res.rid == f"row-{t}" and res.meta_info["id"] == f"row-{t}"
+        assert res.finish_reason in ("stop", "length") and res.completion_tokens > 0 and res.prompt_tokens > 0
+        assert bad.status == 400 and "temperature must be non-negative" in bad.message
+        assert long.status == 400 and "longer than the model's context length" in long.message
+        assert stats.requests == 3 and stats.retries == 0  # neither 400 was retried
+
+
+def test_503_queue_full_is_retried_with_backoff(sim_gpus, emulator_factory):
+    em = emulator_factory(EMU + ["--emu-503-rate", "0.4"])
+
+    async def go():
+        # a busy server is not a gone one: "queue is full" does not use up max_attempts
+        async with GenerateClient(em.url, ClientConfig(max_attempts=1, **FAST)) as c:
+            out = await asyncio.gather(*(c.generate(PROMPT + str(i), {"max_new_tokens": 8}, rid=f"r{i}")
+                                         for i in range(30)))
+            return out, c.stats
+
+    results, stats = _run(go())
+    assert [r.rid for r in results] == [f"r{i}" for i in range(30)]
+    assert stats.retries > 0 and stats.errors.get("http_503", 0) == stats.retries
+    assert stats.requests == 30 + stats.retries
+
+
+def test_connection_refused_gives_server_gone_after_attempts():
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def go():
+        async with GenerateClient(url, ClientConfig(max_attempts=4, **FAST)) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ServerGone) as e:
+                await c.generate(PROMPT, {}, rid="x")
+            return e.value, c.stats, time.monotonic() - t0
+
+    err, stats, took = _run(go())
+    assert stats.requests == 4 and stats.errors == {"refused": 4} and took < 5
+    assert "stopped answering" in str(err) and "failed 4 times" in str(err) and err.last_error
+
+
+def test_error_messages_and_default_concurrency():
+    assert server_error_message(b'{"error": {"message": "too long"}}') == "too long"
+    assert server_error_message(b'{"object":"error","message":"The request queue is full.","code":503}') == \
+        "The request queue is full."
+    assert server_error_message(b"plain text") == "plain text"
+    assert default_concurrency(None) == 128 and default_concurrency({"max_running_requests": 4}) == 16
+    assert default_concurrency({"max_running_requests": 2048}) == 1024
+    with pytest.raises(ValueError, match="transport"):
+        ClientConfig(transport="curl")  # type: ignore[arg-type]
+
+
+def test_server_alive_check_short_cuts_retries_only_for_a_dead_process():
+    url = f"http://127.0.0.1:{free_port()}"
+    calls: list[str] = []
+
+    def dead() -> bool:
+        calls.append("dead")
+        return False
+
+    def alive() -> bool:
+        calls.append("alive")
+        return True
+
+    def broken() -> bool:
+        calls.append("broken")
+        raise OSError("ssh: connection timed out")
+
+    async def go(check):
+        async with GenerateClient(url, ClientConfig(max_attempts=4, **FAST), server_alive=check) as c:
+            t0 = time.monotonic()
+            errs = await asyncio.gather(*(c.generate(PROMPT, {}, rid=f"x{i}") for i in range(8)),
+                                        return_exceptions=True)
+            return errs, c.stats, time.monotonic() - t0
+
+    errs, stats, took = _run(go(dead))
+    assert all(isinstance(e, ServerGone) for e in errs) and took < 1.0
+    assert stats.requests == 8 and stats.retries == 0  # no request was retried
+    assert 1 <= calls.count("dead") <= 2  # requests failing together share one check
+    assert str(errs[0]).startswith(f"{url} stopped answering: its server process is dead (request 'x")
+    assert errs[0].last_error and "times" not in str(errs[0])
+    for check, name in ((alive, "alive"), (broken, "broken")):  # live or unknown: the retry path as before
+        errs, stats, _ = _run(go(check))
+        assert all(isinstance(e, ServerGone) and "failed 4 times" in str(e) for e in errs)
+        assert stats.requests == 32 and calls.count(name) >= 1

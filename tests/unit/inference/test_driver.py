@@ -1,0 +1,222 @@
+"""tasks.inference against the real emulator process: clean run, rejects, truncation, callbacks, refusals.
+
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.inference import ClientConfig, DatasetSpec, ServerGone, run_dataset
+from tasks.prompts import ChatTemplate
+from tasks.shards import InputChanged, OutputDir, OutputLocked
+from tests.support.emulator import DEMO_MODEL
+from tests.support.inference import (
+    EMU_ARGS,
+    FAST_CLIENT,
+    assert_exactly_once,
+    committed_ids,
+    metrics,
+    rows_on_disk,
+    run,
+    start_driver,
+    wait_idle,
+    write_input,
+)
+
+
+@pytest.fixture
+def emulator(sim_gpus, emulator_factory):
+    return emulator_factory(EMU_ARGS + ["--context-length", "400"])
+
+
+def test_clean_run_every_id_once_with_rejects_columns_and_progress(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 100, bad_at=(3, 40), long_at=(7,))
+    progress, committed = [], []
+    r = run(inp, out, emulator.url, progress=progress.append, on_shard_committed=committed.append,
+            sampling={"max_new_tokens": 40})
+    # 102 records (2 bad lines), 16 per shard -> 7 shards
+    assert (r.shards_total, r.shards_committed_now, r.rows_generated, r.rejects) == (7, 7, 99, 3)
+    assert r.complete and r.requests == 100  # the long prompt's 400 is a request, not retried
+    assert_exactly_once(out, ids)
+    rejects = OutputDir(out).read_rejects("ds")
+    assert sorted(x["line"] for x in rejects) == [4, 9, 42]
+    too_long = [x for x in rejects if x.get("id") == "q00007"][0]
+    assert too_long["status"] == 400 and "longer than the model's context length" in too_long["reason"]
+    manifest = OutputDir(out).read_manifest()
+    for k, s in manifest["datasets"]["ds"]["shards"].items():
+        assert s["rows"] + s["rejects"] == (16 if int(k) < 6 else 102 - 96)
+    assert manifest["datasets"]["ds"]["total_rows"] == 102 and manifest["datasets"]["ds"]["num_shards"] == 7
+    assert [c.index for c in committed] == sorted(c.index for c in committed) or len(committed) == 7
+    assert len(progress) == 7 and progress[-1].dataset_rows_done == 102 and progress[-1].shards_total == 7
+    assert sum(p.rows for p in progress) == 99 and all(p.completion_tokens > 0 for p in progress)
+    assert not list((out / "_journal" / "ds").glob("*.jsonl"))
+
+    rows = [row for c in committed for row in pq.read_table(c.path).to_pylist()]
+    tmpl = ChatTemplate.from_model_dir(DEMO_MODEL)
+    row = rows[0]
+    assert row["prompt"] == tmpl.render(row["messages"])
+    assert row["model"] and row["server"] and json.loads(row["sampling"]) == {"max_new_tokens": 40}
+    assert row["reasoning_parser"] == "qwen3" and row["think_in_prompt"] is False
+    assert str(row["generated_at"].tzinfo) == "UTC" and row["latency_s"] > 0
+    for row in rows:
+        assert row["prompt_tokens"] > 0 and row["completion_tokens"] > 0
+        if row["finish_reason"] == "stop":
+            assert row["reasoning"] is not None and row["raw"].startswith("<think>")
+            assert row["raw"] == "<think>" + row["reasoning"] + "</think>" + row["content"]
+        else:
+            assert row["finish_reason"] == "length"
+            if "</think>" not in row["raw"]:  # truncated inside the reasoning: kept, content empty
+                assert row["content"] == "" and row["reasoning"] == row["raw"].removeprefix("<think>")
+    assert {r["finish_reason"] for r in rows} == {"stop", "length"}
+
+    # a rerun of a complete output sends nothing
+    before = metrics(emulator.url)["num_requests_total"]
+    r2 = run(inp, out, emulator.url)
+    assert r2.shards_skipped == 7 and r2.requests == 0 and r2.shards_committed_now == 0
+    assert metrics(emulator.url)["num_requests_total"] == before
+    assert_exactly_once(out, ids)
+
+
+def test_changed_shard_size_or_input_refused_output_untouched(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 20)
+    run(inp, out, emulator.url, shard=8)
+    before = (out / "_manifest.json").read_bytes()
+    with pytest.raises(InputChanged) as e:
+        run(inp, out, emulator.url, shard=5)
+    assert "shard size" in str(e.value) and "8" in str(e.value) and "5" in str(e.value)
+    assert "--shard-size 8" in str(e.value)
+    with open(inp, "a") as f:
+        f.write(json.dumps({"id": "extra", "messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(InputChanged, match="fingerprint"):
+        run(inp, out, emulator.url, shard=8)
+    assert (out / "_manifest.json").read_bytes() == before
+    assert sorted(committed_ids(out)) == ids
+
+
+def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 80)
+
+    class Gate(Exception):
+        pass
+
+    def gate(rec):
+        if rec.index == 1 or len(OutputDir(out).committed_indices("ds")) >= 2:
+            raise Gate(f"shard {rec.index} failed validation")
+
+    with pytest.raises(Gate):
+        run(inp, out, emulator.url, on_shard_committed=gate)
+    assert OutputDir(out).lock_holder() is None  # lock released
+    done = rows_on_disk(out)
+    before = wait_idle(emulator.url)["num_requests_total"]  # cancelled requests drain first
+    r = run(inp, out, emulator.url)
+    assert r.requests == 80 - done and metrics(emulator.url)["num_requests_total"] - before == 80 - done
+    assert_exactly_once(out, ids)
+
+
+@pytest.mark.slow
+def test_second_concurrent_run_refused_first_unaffected(tmp_path, sim_gpus, emulator_factory, reap_pids):
+    em = emulator_factory(EMU_ARGS[:-2] + ["--max-running-requests", "8", "--emu-decode-ms-per-step", "3"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 150)
+    first = start_driver(inp, out, em.url, shard=16, conc=16, flow_run="fr-first")
+    reap_pids.append(first.pid)
+    deadline = time.monotonic() + 30
+    while OutputDir(out).lock_holder() is None:
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(OutputLocked) as e:
+        run(inp, out, em.url)
+    assert time.monotonic() - t0 < 2.0
+    assert f"pid={first.pid}" in str(e.value) and "flow_run=fr-first" in str(e.value)
+    assert first.poll() is None  # still running, unaffected
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr.decode()[-2000:]
+    assert orjson.loads(stdout.splitlines()[-1])["rows_generated"] == 150
+    assert_exactly_once(out, ids)
+
+
+def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
+    """`datagen run --input ... --server-url ...` entry: model dir from /model_info, forced split."""
+    from tasks.inference import run_inputs
+
+    opened = "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
+    a.write_text(json.dumps({"id": "open", "prompt": opened}) + "\n" + json.dumps(
+        {"id": "plain", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"}]}) + "\n")
+    write_input(b, 3)
+    out = tmp_path / "out"
+    results = run_inputs([a, b], out, emulator.url, shard_size=2, sampling={"max_new_tokens": 200},
+                         client_config=FAST_CLIENT, run_info={"flow_run": "adhoc"})
+    assert [(r.dataset, r.rows_generated, r.complete) for r in results] == [("alpha", 2, True), ("beta", 3, True)]
+    rows = {r["id"]: r for rec in OutputDir(out).committed_shards("alpha") for r in pq.read_table(rec.path).to_pylist()}
+    row = rows["open"]
+    assert row["prompt"] == opened and row["messages"] == [] and row["think_in_prompt"] is True
+    assert not row["raw"].startswith("<think>") and row["reasoning"] is not None
+    if row["finish_reason"] == "stop":
+        assert row["reasoning"] + "</think>" + row["content"] == row["raw"]
+    plain = rows["plain"]
+    assert plain["messages"] == [{"role": "user", "content": "hi"}] and plain["think_in_prompt"] is False
+    assert plain["prompt"] == ChatTemplate.from_model_dir(DEMO_MODEL).render(plain["messages"])
+    assert sorted(committed_ids(out, "beta")) == ["q00000", "q00001", "q00002"]
+    with pytest.raises(ValueError, match="same dataset name"):
+        run_inputs([a, tmp_path / "alpha.parquet"], out, emulator.url)
+
+
+def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp_path):
+    inp = tmp_path / "empty.jsonl"
+    inp.write_text("")
+    dead = "http://127.0.0.1:9"  # nothing listens: any request would fail
+    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", dead, model_dir=DEMO_MODEL, shard_size=4,
+                    concurrency=2, server_fingerprint="f", model_name="m", client_config=FAST_CLIENT)
+    assert (r.complete, r.shards_total, r.requests) == (True, 0, 0)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", dead, model_dir=DEMO_MODEL, shard_size=4,
+                    reasoning_parser="nope")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_server_gone_traceback_is_a_clean_chain(tmp_path):
+    # run_dataset probes for a running event loop; that probe's RuntimeError must not head the chain.
+    from tests.support.common import free_port
+
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 4)
+    with pytest.raises(ServerGone) as e:
+        run(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}")
+    text = "".join(traceback.format_exception(e.value))
+    assert "no running event loop" not in text, text
+    chain, exc = [], e.value
+    while exc is not None:
+        chain.append(type(exc).__name__)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    assert "RuntimeError" not in chain and chain[0] == "ServerGone", chain
+
+
+def test_dead_server_process_raises_server_gone_at_once(tmp_path, sim_gpus, emulator_factory):
+    # Default client settings (6 attempts, 0.5 s backoff base: ~9.5 s of retries on "refused"); the
+    # liveness check turns the crash into ServerGone without those retries.
+    em = emulator_factory(EMU_ARGS + ["--emu-crash-after", "60"])
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 200)
+    crashed: list[float] = []
+    watcher = threading.Thread(target=lambda: (em.proc.wait(), crashed.append(time.monotonic())), daemon=True)
+    watcher.start()
+    with pytest.raises(ServerGone) as e:
+        run(inp, tmp_path / "out", em.url, shard=32, client_config=ClientConfig(),
+            server_alive=lambda: em.proc.poll() is None)
+    gone = time.monotonic()
+    watcher.join(timeout=5)
+    assert crashed and gone - crashed[0] < 2.0, f"ServerGone {gone - crashed[0]:.2f} s after the crash"
+    assert "its server process is dead" in str(e.value) and "rerun to resume" in str(e.value)
+    assert "no running event loop" not in "".join(traceback.format_exception(e.value))
