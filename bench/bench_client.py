@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,8 +32,21 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from tasks.inference import (  # noqa: E402 - bench scripts run as files: the repo goes on sys.path first
+    ClientConfig,
+    DatasetSpec,
+    GenerateClient,
+    run_dataset,
+    run_dataset_async,
+)
+from tasks.prompts import ChatTemplate  # noqa: E402
+
 DEMO = REPO / "data" / "models" / "demo"
 CONCURRENCY = 64
 
@@ -69,8 +83,6 @@ def _start_emulator(extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    import signal
-
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -97,17 +109,12 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _prompts(n: int) -> list[str]:
-    from tasks.prompts import ChatTemplate
-
     t = ChatTemplate.from_model_dir(DEMO)
     return [t.render([{"role": "user", "content": f"Question {i}: explain the batch scheduler in a few words."}])
             for i in range(n)]
 
 
 async def _bare(url: str, prompts: list[str], sampling: dict[str, Any]) -> float:
-    import aiohttp
-    import orjson
-
     it = iter(enumerate(prompts))
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
@@ -124,8 +131,6 @@ async def _bare(url: str, prompts: list[str], sampling: dict[str, Any]) -> float
 
 
 async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transport: str) -> float:
-    from tasks.inference import ClientConfig, GenerateClient
-
     it = iter(enumerate(prompts))
     t0 = time.perf_counter()
     async with GenerateClient(url, ClientConfig(concurrency=CONCURRENCY, transport=transport)) as c:  # type: ignore[arg-type]
@@ -138,8 +143,6 @@ async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transp
 
 
 def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: str) -> tuple[float, int]:
-    from tasks.inference import ClientConfig, DatasetSpec, run_dataset
-
     r = run_dataset(DatasetSpec("bench", inp), out, url, model_dir=DEMO, shard_size=1000,
                     concurrency=CONCURRENCY, sampling=sampling,
                     client_config=ClientConfig(transport=transport))  # type: ignore[arg-type]
@@ -148,8 +151,6 @@ def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: st
 
 async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tuple[float, int]:
     """Busy-slot fraction over the window where the client still had rows to send."""
-    from tasks.inference import DatasetSpec, run_dataset_async
-
     samples: list[tuple[float, dict[str, float]]] = []
     done = asyncio.Event()
 

@@ -17,6 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RPS = 1500.0
 
@@ -52,8 +54,6 @@ def _start(port: int, log: str) -> subprocess.Popen[bytes]:
 
 
 async def _load(url: str, seconds: float, concurrency: int) -> tuple[int, float]:
-    import aiohttp
-
     done = 0
     errors = 0
     stop_at = time.monotonic() + seconds

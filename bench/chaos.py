@@ -50,6 +50,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -291,8 +292,6 @@ class PrefectApi:
         self.url = ""
 
     def start(self, deadline_s: float = 90.0) -> None:
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

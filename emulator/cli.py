@@ -215,6 +215,8 @@ class Main:
 
     # ------------------------------------------------------------------ serving
     async def serve(self, memory: dict[str, object]) -> None:
+        # Imported here, after start_children() forked the ranks: the schedulers start without the
+        # HTTP stack, and the main process reaches "Load weight begin" without paying its import.
         from aiohttp import web
 
         from emulator.engine import Engine, EngineConfig

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from emulator.simgpu import SimGpuError, SimGpus
+
 __all__ = ["main"]
 
 NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
@@ -67,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     if not path or not os.path.exists(path):
         print(NO_DRIVER)
         return 9
-    from emulator.simgpu import SimGpuError, SimGpus
-
     try:
         snap = SimGpus(path).snapshot()
     except SimGpuError:

@@ -17,7 +17,10 @@ import json
 import os
 import signal
 import time
+import traceback
 from dataclasses import asdict, dataclass
+
+import setproctitle
 
 from emulator.logs import log
 from emulator.profile import MemoryError_, ModelInfo, RankMemory, plan_rank_memory
@@ -69,12 +72,7 @@ def _set_pdeathsig(sig: int) -> None:
 
 def _become(title: str, parent: int, pdeathsig: bool, ignore_sigterm: bool) -> None:
     """Common child setup after fork: title, death signal, default signal dispositions."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        pass
+    setproctitle.setproctitle(title)
     for sig in (signal.SIGQUIT, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
@@ -249,8 +247,6 @@ def _fork(target_title: str, rank: int | None, body) -> Child:  # type: ignore[n
             os.close(from_r)
             body(parent, to_r, from_w)
         except BaseException:  # a child must never return into the parent's code
-            import traceback
-
             traceback.print_exc()
         os._exit(1)
     os.close(to_r)

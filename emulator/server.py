@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 import orjson
 from aiohttp import web
 
@@ -366,8 +367,6 @@ def build_app(st: ServerState) -> web.Application:
         if st.template is None:
             if not st.model.chat_template:
                 return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "
-            import jinja2
-
             env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
 
             def raise_exception(msg: str) -> None:

@@ -18,6 +18,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from tasks.reasoning import split_reasoning as _split_reasoning
+
 __all__ = [
     "TOKEN_RE",
     "ReasoningFormat",
@@ -211,6 +213,4 @@ def split_reasoning(text: str, parser: str, forced: bool = False) -> tuple[str |
     The emulator serves the same split that datagen applies itself (tasks.reasoning), which follows
     SGLang's reasoning_parser.py, so /v1/chat/completions and /separate_reasoning answer as SGLang does.
     """
-    from tasks.reasoning import split_reasoning as _split
-
-    return _split(text, parser, force_reasoning=True if forced else None)
+    return _split_reasoning(text, parser, force_reasoning=True if forced else None)

@@ -1,31 +1,6 @@
-"""Export committed output as training JSONL, and re-derive reasoning/content from raw text (resplit).
-
-Export formats (one JSON object a line, streamed shard by shard, batch by batch):
-
-- ``sharegpt``: ``{"id", "conversations": [{"from": "system"|"human"|"gpt"|"tool", "value"}]}``.
-  The final ``gpt`` turn holds reasoning and content the way the model family writes them, so a
-  trainer that renders it with the model's template sees the model's own output:
-  ``<think>\\n{reasoning}\\n</think>\\n\\n{content}`` for the ``<think>`` families (the form Qwen3's
-  template renders past reasoning turns in), ``◁think▷{r}◁/think▷{c}`` (kimi), ``[THINK]{r}[/THINK]{c}``
-  (mistral), ``<|channel|>analysis<|message|>{r}<|end|><|start|>assistant<|channel|>final<|message|>{c}``
-  (gpt-oss). Without a reasoning part the value is the content alone.
-- ``openai-messages``: ``{"id", "messages": [..., {"role": "assistant", "content", "reasoning_content"}]}``
-  (``reasoning_content`` null when there is none).
-- ``specforge``: ``{"id", "conversations": [{"role", "content"}, ..., {"role": "assistant", "content",
-  "reasoning_content"?}]}``: what SpecForge's ``regenerate_train_data.py --reasoning save`` writes
-  and its training scripts read (``reasoning_content`` left out when there is none).
-
-Reasoning and content are whitespace-stripped at the ends in every format (the split keeps the
-newlines around the tags). Rows whose ``finish_reason`` is not ``stop`` (truncated or aborted) are
-left out unless ``include_truncated``. A row with a pre-rendered prompt and no messages exports the
-prompt text as its user turn.
-
-``resplit`` rewrites each committed shard whose split changes (temp + fsync + rename, then the
-manifest's sha256), under the output's lock, with no server. Each shard's bytes are checked against
-the manifest's sha256 before use, by both functions.
-
-Errors: ``ExportError`` (no manifest, a shard missing or not matching its checksum); ``ValueError``
-(unknown format or parser); ``tasks.shards.OutputLocked`` (resplit while a run writes the output).
+"""Export committed output as training JSONL (sharegpt, openai-messages, specforge), and re-derive
+reasoning/content from the stored raw text without a server (resplit). Both read only shards whose
+bytes match the manifest's sha256.
 """
 
 from __future__ import annotations
@@ -80,7 +55,16 @@ class ResplitReport:
 
 
 def assistant_text(reasoning: str | None, content: str, parser: str | None) -> str:
-    """The assistant turn as the model family writes it (see the module docstring).
+    """The assistant turn as the model family writes it, reasoning and content stripped at the ends.
+
+    ``<think>\n{r}\n</think>\n\n{c}`` for the ``<think>`` families (how Qwen3's template renders past
+    reasoning turns), ``{start}{r}{end}{c}`` for other tag families (kimi, mistral), the Harmony
+    analysis and final channels for gpt-oss, and the content alone without reasoning or parser.
+
+    Args:
+        reasoning: the row's reasoning, None when it has none.
+        content: the row's content.
+        parser: the row's reasoning parser, None when the run had none.
 
     Raises:
         ValueError: unknown parser.
@@ -152,6 +136,20 @@ def iter_export(
 ) -> Iterator[dict[str, Any]]:
     """Yield export records of every committed shard (dataset, then shard order).
 
+    ``sharegpt``: ``{"id", "conversations": [{"from", "value"}]}``, the last ``gpt`` turn from
+    :func:`assistant_text`. ``openai-messages``: ``{"id", "messages": [..., {"role": "assistant",
+    "content", "reasoning_content"}]}`` (null without reasoning). ``specforge``: ``{"id",
+    "conversations": [{"role", "content"}, ...]}``, ``reasoning_content`` left out without reasoning,
+    as SpecForge's ``regenerate_train_data.py --reasoning save`` writes it. A row with a pre-rendered
+    prompt and no messages exports the prompt as its user turn.
+
+    Args:
+        out_dir: the output directory.
+        fmt: one of ``FORMATS``.
+        datasets: only these datasets (default: all).
+        include_truncated: also rows whose ``finish_reason`` is not ``stop``.
+        report: counts are added here as records are yielded.
+
     Raises:
         ValueError: unknown format.
         ExportError: no manifest, unknown dataset, a shard missing or not matching its checksum.
@@ -178,6 +176,10 @@ def export(
 ) -> ExportReport:
     """Write the export JSONL to ``sink`` (a text stream); returns the counts.
 
+    Args:
+        out_dir, fmt, datasets, include_truncated: as :func:`iter_export`.
+        sink: where the JSON lines go.
+
     Raises:
         ValueError, ExportError: as :func:`iter_export`.
     """
@@ -193,7 +195,13 @@ def resplit(out_dir: str | Path, parser: str, *, dry_run: bool = False) -> Respl
     The prompt opened the think block when the row's ``think_in_prompt`` says so or its prompt ends
     with ``parser``'s start tag (the column was computed with the run's parser, which may have been
     another one or none); that is the split's ``force_reasoning`` and is written back, with
-    ``reasoning_parser``. Shards whose columns do not change are left alone. Holds the output's lock.
+    ``reasoning_parser``. Shards whose columns do not change are left alone. Holds the output's lock;
+    a changed shard is replaced atomically and the manifest's sha256 updated.
+
+    Args:
+        out_dir: the output directory.
+        parser: the reasoning parser to split with.
+        dry_run: count what would change, write nothing.
 
     Raises:
         ValueError: unknown parser.

@@ -1,27 +1,5 @@
-"""Input datasets and prompt rendering.
-
-Input rows (JSONL, one object a line, or Parquet, read by record batches; never loaded whole):
-
-- ``messages``: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``, or
-- ``conversations`` (ShareGPT): ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``
-  (``user``/``assistant``/``tool`` are accepted as ``from`` values too);
-- optional ``id`` (string or integer). Without one the id is derived from the dataset name and the
-  content: ``sha256(dataset + "\\n" + canonical JSON of the messages kept + "\\n" + prompt)[:16]``
-  (canonical JSON: sorted keys, no spaces, UTF-8), so it is stable across runs and machines, and two
-  identical prompts in one dataset collide and the second is rejected as a duplicate;
-- optional ``prompt``: pre-rendered prompt text, sent as is instead of rendering the messages. A row
-  may have only a ``prompt``; its ``messages`` are then empty.
-
-A final assistant turn is dropped: datagen regenerates the response (that is the point of the run),
-so the conversation sent ends at the last user or tool turn; earlier assistant turns stay as context.
-
-A row that cannot be used becomes a :class:`Reject` (dataset, 1-based line or row number, reason,
-raw text) and never stops the iteration: unparseable JSON or UTF-8, not an object, no
-messages/conversations/prompt, a turn that is not an object, unknown role, non-string or empty
-content, no user turn, a bad id type, a duplicate id within the dataset. Blank JSONL lines are skipped.
-
-Prompts are rendered with the model's own chat template (tokenizer_config.json ``chat_template``,
-else chat_template.jinja / chat_template.json), in a Jinja sandbox set up the way transformers does.
+"""Input datasets (streamed, with stable ids and rejects) and prompt rendering with the model's chat
+template (sandboxed jinja2, set up the way transformers does). The row format is in the README, "Input".
 """
 
 from __future__ import annotations
@@ -35,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import pyarrow as pa
+import pyarrow.parquet as pq
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -100,6 +80,10 @@ class _BadRow(Exception):
 def input_fingerprint(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     """Streaming sha256 (hex) of the input file's bytes.
 
+    Args:
+        path: the input file.
+        chunk_bytes: read size.
+
     Raises:
         OSError: the file cannot be read.
     """
@@ -111,7 +95,11 @@ def input_fingerprint(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def derive_id(dataset: str, messages: Sequence[Mapping[str, str]], prompt: str | None) -> str:
-    """The stable id of a row without one (see the module docstring)."""
+    """The stable id of a row without one: ``sha256(dataset, canonical messages, prompt)[:16]``.
+
+    Canonical JSON (sorted keys, no spaces, UTF-8) makes it the same across runs and machines; two
+    identical prompts in one dataset get one id, and the second is rejected as a duplicate.
+    """
     canonical = json.dumps(list(messages), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     text = f"{dataset}\n{canonical}\n{prompt or ''}"
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
@@ -120,7 +108,14 @@ def derive_id(dataset: str, messages: Sequence[Mapping[str, str]], prompt: str |
 def iter_dataset(path: str | Path, dataset: str) -> Iterator[InputRow | Reject]:
     """Stream the rows of a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) dataset.
 
-    Yields an :class:`InputRow` per usable row and a :class:`Reject` per bad one, in input order.
+    Yields an :class:`InputRow` per usable row and a :class:`Reject` (1-based line or row number,
+    reason, raw text) per bad one, in input order; a bad row never stops the iteration. Blank JSONL
+    lines are skipped. A final assistant turn is dropped (it is what the run regenerates); earlier
+    turns stay as context.
+
+    Args:
+        path: the dataset file; never loaded whole (JSONL by line, Parquet by record batch).
+        dataset: the dataset name, part of derived ids and of every reject.
 
     Raises:
         OSError: the file cannot be opened or read.
@@ -175,9 +170,6 @@ def _iter_jsonl(path: Path, dataset: str) -> Iterator[tuple[int, Any, str]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any, str]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         pf = pq.ParquetFile(path)
     except pa.ArrowInvalid as exc:
@@ -326,6 +318,10 @@ class ChatTemplate:
         Looks at tokenizer_config.json ``chat_template`` (a string, or a list of named templates of
         which ``name`` is used), then chat_template.jinja, then chat_template.json.
 
+        Args:
+            model_dir: the model directory.
+            name: which template to use when tokenizer_config.json holds several.
+
         Raises:
             TemplateError: no template, unreadable files, no template called ``name``, or it does not compile.
         """
@@ -363,7 +359,13 @@ class ChatTemplate:
         row: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` into the prompt text; ``kwargs`` are template kwargs (enable_thinking...).
+        """Render ``messages`` into the prompt text.
+
+        Args:
+            messages: the conversation, ``{"role", "content"}`` dicts.
+            add_generation_prompt: end with the assistant header, as for generation.
+            row: names the input row in an error message.
+            kwargs: template variables (``enable_thinking``, ...).
 
         Raises:
             TemplateError: the template raised or failed (names the model dir and ``row``).
@@ -391,6 +393,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 def render_row(row: InputRow, template: ChatTemplate, **template_kwargs: Any) -> str:
     """The exact prompt text for ``row``: its pre-rendered ``prompt``, else the rendered messages.
 
+    Args:
+        row: a parsed input row.
+        template: the model's chat template.
+        template_kwargs: template variables (``enable_thinking``, ...).
+
     Raises:
         TemplateError: rendering failed (names the model dir and the row's dataset, line and id).
     """
@@ -403,6 +410,10 @@ def opens_think(prompt: str, parser: str) -> bool:
     """Whether the rendered prompt already opened the think block (ends with the start tag).
 
     Use the result as ``force_reasoning`` for :func:`tasks.reasoning.split_reasoning`.
+
+    Args:
+        prompt: the exact prompt text sent.
+        parser: the reasoning parser whose start tag counts.
 
     Raises:
         ValueError: unknown parser.

@@ -1,5 +1,7 @@
 """Shared fixtures live in tests/support/*, one module per area, loaded as plugins here."""
 
+import psutil
+
 pytest_plugins = [
     "tests.support.common",
     "tests.support.emulator",
@@ -10,8 +12,6 @@ pytest_plugins = [
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     """Last line of defence: report, then end by pid, any process a test left running."""
-    import psutil
-
     left = []
     for p in psutil.Process().children(recursive=True):
         try:

@@ -1,28 +1,8 @@
 """Split a model's raw output into reasoning and content, exactly as SGLang's one-shot parse does.
 
-SGLang's ``--reasoning-parser`` (python/sglang/srt/parser/reasoning_parser.py, ``detect_and_parse``)
-is re-implemented here so that datagen can keep the raw text from ``/generate`` and split it itself,
-and so that ``datagen resplit`` can redo the split later without a server.
-
-Tag families (rules of the one-shot parse, edge cases included):
-
-- The text is "in reasoning" when the parser is forced or the start tag occurs *anywhere* in it.
-  Otherwise everything is content and ``reasoning`` is None.
-- Start tags at the very beginning are stripped (repeatedly); a start tag elsewhere stays in the text.
-- Text before the first end tag is reasoning, the rest is content (nothing is whitespace-stripped).
-- No end tag: everything is reasoning and content is "" (truncated output), unless the parser has a
-  tool-call start token in the text: then reasoning ends there and the tool call starts the content.
-
-Forced parsers follow SGLang's source, which is stricter than the parser names suggest:
-``deepseek-r1`` and ``step3`` (both DeepSeekR1Detector), ``qwen3-thinking``, ``minimax`` and
-``gpt-oss`` are always forced; ``kimi`` is never forced (its detector ignores the flag); the others
-are forced when ``force_reasoning=True`` (the chat template opened the think block in the prompt).
-
-``gpt-oss`` uses the Harmony channel format, parsed by :mod:`tasks.reasoning._harmony` (a port of SGLang's
-HarmonyParser behaviour, its quirks included).
-
-``reasoning`` is "" (not None) when a reasoning block is present but empty, e.g. ``<think></think>x``.
-SGLang's ``/separate_reasoning`` reports None as "".
+A re-implementation of SGLang's ``--reasoning-parser`` (``reasoning_parser.py``, ``detect_and_parse``):
+datagen keeps the raw text from ``/generate`` and splits it here, and ``datagen resplit`` can redo the
+split later without a server. gpt-oss's Harmony channels are parsed in ``_harmony``.
 """
 
 from __future__ import annotations
@@ -81,6 +61,9 @@ def _spec(parser: str) -> ParserSpec:
 def tags_for(parser: str) -> tuple[str, str]:
     """Return the (start, end) reasoning tags of ``parser``.
 
+    Args:
+        parser: an SGLang reasoning parser name.
+
     Raises:
         ValueError: the parser name is unknown (the message lists the valid ones).
     """
@@ -90,6 +73,10 @@ def tags_for(parser: str) -> tuple[str, str]:
 
 def is_forced(parser: str, force_reasoning: bool | None = None) -> bool:
     """Whether ``parser`` treats the output as reasoning from its first character.
+
+    Args:
+        parser: an SGLang reasoning parser name.
+        force_reasoning: the prompt opened the think block; ignored by always/never-forced parsers.
 
     Raises:
         ValueError: the parser name is unknown.
@@ -107,8 +94,21 @@ def split_reasoning(
 ) -> tuple[str | None, str]:
     """Split raw model output into ``(reasoning, content)`` with SGLang's one-shot semantics.
 
-    ``force_reasoning=True`` means the prompt already opened the think block (see
-    ``tasks.prompts.opens_think``). ``reasoning`` is None when the text has no reasoning part.
+    The text is in reasoning when the parser is forced or its start tag occurs anywhere; otherwise
+    all of it is content and ``reasoning`` is None. Start tags at the very beginning are stripped
+    (repeatedly), elsewhere they stay. Text before the first end tag is reasoning, the rest content;
+    nothing is whitespace-stripped. With no end tag everything is reasoning and content is ""
+    (truncated output), unless the parser's tool-call start occurs: reasoning ends there and the
+    tool call begins the content. ``reasoning`` is "" (not None) for an empty block
+    (``<think></think>x``).
+
+    Forced, as in SGLang's source: ``deepseek-r1``, ``step3``, ``qwen3-thinking``, ``minimax`` and
+    ``gpt-oss`` always; ``kimi`` never; the others only with ``force_reasoning``.
+
+    Args:
+        text: the raw output, exactly as the server returned it.
+        parser: an SGLang reasoning parser name (one of ``PARSERS``).
+        force_reasoning: the prompt already opened the think block (``tasks.prompts.opens_think``).
 
     Raises:
         ValueError: the parser name is unknown (the message lists the valid ones).
@@ -169,6 +169,9 @@ def parser_for_model(model_dir: str | Path) -> str | None:
     Uses ``model_type`` first, then ``architectures``; the directory name disambiguates DeepSeek
     R1 vs V3, Kimi K2 (DeepSeek V3 architecture), Qwen3 "Thinking" checkpoints and Magistral.
     Returns None when the family is unknown or has no reasoning format, or config.json is absent.
+
+    Args:
+        model_dir: the model directory (its config.json and its name are read).
 
     Raises:
         ValueError: config.json exists but is not a JSON object.

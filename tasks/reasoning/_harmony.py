@@ -1,18 +1,10 @@
 """gpt-oss (Harmony format) reasoning split, matching SGLang's one-shot ``GptOssDetector`` parse.
 
-SGLang feeds the whole text to its HarmonyParser and then an empty chunk to flush, and keeps the
-events: "reasoning" events become the reasoning, "normal" events and tool calls (with their raw
-markers) the content. The parser picks one strategy from the text:
-
-- canonical (``<|channel|>`` or ``<|start|>`` present): a state machine over the structural tokens;
-  the ``analysis`` channel is reasoning, ``final`` is content, ``commentary ... to=`` is a tool call;
-- text fallback (special tokens stripped, e.g. ``analysis...assistantfinal...``): regular expressions;
-- ``<|end|>`` only: text before it is reasoning, the rest content;
-- none of these: the parser keeps buffering and the one-shot parse returns nothing at all.
-
-Quirks reproduced on purpose because SGLang's ``/separate_reasoning`` has them: plain text with no
-marker yields empty reasoning and content; a trailing fragment that could begin a marker (``<|en``,
-``an`` of ``analysis`` in the text fallback) is held back and dropped.
+The ``analysis`` channel is reasoning; ``final`` and tool calls (``commentary ... to=``, raw markers
+kept) are content. Text without ``<|channel|>``/``<|start|>`` falls back to SGLang's text rules
+(special tokens stripped), then to ``<|end|>`` alone. SGLang's quirks are kept on purpose, because
+``/separate_reasoning`` has them: plain text with no marker yields empty reasoning and content, and a
+trailing fragment that could begin a marker (``<|en``) is dropped.
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ def publish_artifacts(report: ValidationReport, key_prefix: str = "validation") 
     Outside a flow or task run this does nothing and returns []; inside, it returns the artifact ids.
     Keys are ``<prefix>-checks`` and ``<prefix>-summary`` (lowercase letters, digits, dashes).
     """
+    # Prefect is imported only when artifacts are published: `datagen validate`, resplit and the
+    # benchmarks use this package without paying Prefect's import (seconds).
     from prefect.context import FlowRunContext, TaskRunContext
 
     if FlowRunContext.get() is None and TaskRunContext.get() is None:

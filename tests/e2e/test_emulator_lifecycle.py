@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import httpx
 import psutil
 import pytest
@@ -43,8 +44,6 @@ def _wait(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
 
 
 def _burst(url: str, n: int = 64, words: int = 150) -> list[object]:
-    import aiohttp
-
     async def go() -> list[object]:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> object:
@@ -188,8 +187,6 @@ def test_throughput_model_slots_and_queue(emulator_factory) -> None:  # type: ig
                            "--emu-prefill-us-per-token", "0"])
 
     async def go() -> None:
-        import aiohttp
-
         async with aiohttp.ClientSession() as s:
             body = {"text": "x", "sampling_params": {"max_new_tokens": 10}}
             tasks = [asyncio.create_task(s.post(em.url + "/generate", json=body)) for _ in range(8)]

@@ -17,9 +17,12 @@ import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from emulator.simgpu import SimGpus
+from tasks.server import FractionMemory, list_remembered
 from tests.support.common import pid_alive
+from tests.support.outputs import clean_rows, write_output
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 
@@ -250,3 +253,59 @@ def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[
     assert all(not pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "bad" / "_sim-gpus.json").snapshot()["gpus"])
     assert os.path.exists(tmp_path / "bad" / "_validation.json")
+
+
+def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server.api_url)
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        mem = FractionMemory.default()
+        assert mem.kind == "prefect"
+        key = f"host|/m|tp8|NVIDIA H200|{os.getpid()}"
+        assert mem.get(key) is None
+        mem.remember_success(key, 0.88, 5.47)
+        mem.remember_runtime_oom(key, 0.88, 0.05)
+        e = mem.get(key)
+        assert (e.fraction, e.headroom_gib, e.runtime_oom_at) == (0.83, 5.47, 0.88)
+        rows = [r for r in list_remembered(mem) if r["key"] == key]
+        assert len(rows) == 1 and rows[0]["store"] == "prefect" and rows[0]["fraction"] == 0.83
+
+
+ARTIFACT_SCRIPT = """
+import json, sys
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.testing.utilities import prefect_test_harness
+from tasks.validation import publish_artifacts, validate_output
+from tests.support.paths import REPO_ROOT
+
+@flow(name="validation-artifacts")
+def publish(out):
+    return publish_artifacts(validate_output(out), "Validation Run_1")
+
+with prefect_test_harness(server_startup_timeout=120):
+    ids = publish(sys.argv[1])
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts()
+    print(json.dumps({"ids": ids, "arts": [{"key": a.key, "type": a.type, "data": a.data} for a in arts]}))
+"""
+
+
+def test_artifacts_in_a_flow_run(tmp_path):
+    out = write_output(tmp_path / "out", {"glaive": [clean_rows("glaive", 30, parser=None)]}, shard_size=30)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, "-c", ARTIFACT_SCRIPT, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(doc["ids"]) == 2
+    arts = {a["key"]: a for a in doc["arts"]}
+    assert set(arts) == {"validation-run-1-checks", "validation-run-1-summary"}
+    assert arts["validation-run-1-summary"]["type"] == "markdown"
+    assert arts["validation-run-1-summary"]["data"].startswith("# Validation: FAIL")
+    table = arts["validation-run-1-checks"]
+    assert table["type"] == "table"
+    rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
+    assert {r["check"]: r["status"] for r in rows}["tag_leak"] == "fail"

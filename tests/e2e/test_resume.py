@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tasks.inference import ServerGone
-from tasks.shards import OutputDir
+from tasks.shards import OutputDir, OutputLocked
 from tests.support.inference import (
     EMU_ARGS,
     assert_exactly_once,
@@ -82,4 +82,27 @@ def test_server_crash_mid_shard_relaunch_resume_with_torn_journal_and_temp_file(
     assert r.recovered["temp_files"] == 1 and r.rows_resumed > 0
     assert metrics(relaunched.url)["num_requests_total"] == 200 - done == r.requests
     assert not (out / "ds" / "shard-00005.parquet.tmp-4242").exists()
+    assert_exactly_once(out, ids)
+
+
+@pytest.mark.slow
+def test_second_concurrent_run_refused_first_unaffected(tmp_path, sim_gpus, emulator_factory, reap_pids):
+    em = emulator_factory(EMU_ARGS[:-2] + ["--max-running-requests", "8", "--emu-decode-ms-per-step", "3"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_input(inp, 150)
+    first = start_driver(inp, out, em.url, shard=16, conc=16, flow_run="fr-first")
+    reap_pids.append(first.pid)
+    deadline = time.monotonic() + 30
+    while OutputDir(out).lock_holder() is None:
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(OutputLocked) as e:
+        run(inp, out, em.url)
+    assert time.monotonic() - t0 < 2.0
+    assert f"pid={first.pid}" in str(e.value) and "flow_run=fr-first" in str(e.value)
+    assert first.poll() is None  # still running, unaffected
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr.decode()[-2000:]
+    assert orjson.loads(stdout.splitlines()[-1])["rows_generated"] == 150
     assert_exactly_once(out, ids)

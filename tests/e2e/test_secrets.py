@@ -29,8 +29,23 @@ import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from prefect.blocks.system import Secret
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+    LogFilterTextSearch,
+)
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from emulator.simgpu import SimGpus
+from flows.stages import server_config
+from tasks.config import load_partition
+from tasks.server import API_KEY_ENV, launch_argv, launch_env
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 
@@ -174,21 +189,7 @@ def _files_text(root: Path) -> Iterator[tuple[Path, str]]:
 def _prefect_records(server: PrefectServer, flow_run_id: str, secrets: tuple[str, ...]) -> dict[str, Any]:
     """The run's flow run, task runs, logs and artifacts as read through the Prefect client, and
     what a server-wide text search for each secret finds in logs."""
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterId,
-        LogFilter,
-        LogFilterFlowRunId,
-        LogFilterTextSearch,
-    )
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    fid = UUID(flow_run_id)
+    fid = uuid.UUID(flow_run_id)
     with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(fid)
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fid])))
@@ -272,9 +273,6 @@ def _assert_no_leak(server: PrefectServer, run: Run, secrets: tuple[str, ...]) -
 
 
 def _save_secret(server: PrefectServer, name: str, value: str) -> None:
-    from prefect.blocks.system import Secret
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     with temporary_settings({PREFECT_API_URL: server.api_url}):
         Secret(value=value).save(name, overwrite=True)
 
@@ -307,10 +305,6 @@ def test_secrets_from_environment_never_leak(prefect_server: PrefectServer, tmp_
 def test_flow_server_config_carries_secrets_but_never_shows_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The flow's ServerConfig holds the key and the hub token (for the server's environment), and
     its repr (what a log line or an exception would show) holds neither."""
-    from flows.stages import server_config
-    from tasks.config import load_partition
-    from tasks.server import API_KEY_ENV, launch_argv, launch_env
-
     key, token = f"sk-envkey-{uuid.uuid4().hex}", f"hf_envtoken{uuid.uuid4().hex}"
     monkeypatch.setenv("DATAGEN_API_KEY", key)
     monkeypatch.setenv("HF_TOKEN", token)

@@ -13,11 +13,13 @@ import httpx
 import psutil
 import pytest
 
+from emulator.simgpu import SimGpus
 from tasks.server import (
     FileStore,
     FractionMemory,
     LaunchFailed,
     ServerConfig,
+    ServerError,
     ServerHandle,
     launch,
     launch_tuned,
@@ -25,6 +27,7 @@ from tasks.server import (
     runtime_failure,
     stop_server,
 )
+from tasks.targets import run_command
 from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
 
@@ -166,8 +169,6 @@ def test_too_low_steps_up(sim_gpus, started, tmp_path):
 
 @pytest.mark.slow
 def test_never_fits_gives_up_after_bounded_attempts(sim_gpus, started, tmp_path):
-    from emulator.simgpu import SimGpus
-
     # 58.6 GiB GPUs: the demo model's 56 GiB of weights load, but even at 0.95 no KV pool fits
     SimGpus.init(os.environ["DATAGEN_SIM_GPUS"], count=2, total_mib=60_000)
     memory = FractionMemory(FileStore(tmp_path / "fractions.json"))
@@ -269,8 +270,6 @@ def test_orphan_on_crash_found_by_hygiene_after_stop(sim_gpus, started, tmp_path
 
 
 def test_weights_that_do_not_fit_stop_the_tuner_at_once(sim_gpus, started, tmp_path):
-    from emulator.simgpu import SimGpus
-
     SimGpus.init(os.environ["DATAGEN_SIM_GPUS"], count=1, total_mib=50_000)
     memory = FractionMemory(FileStore(tmp_path / "fractions.json"))
     with pytest.raises(LaunchFailed) as ei:
@@ -279,15 +278,6 @@ def test_weights_that_do_not_fit_stop_the_tuner_at_once(sim_gpus, started, tmp_p
     assert [a.fraction for a in ei.value.attempts] == [0.9]
     assert ei.value.failure.kind == "weights_too_big"
     assert "use more GPUs (--tp-size)" in str(ei.value)
-
-
-@pytest.fixture
-def remote(ssh_env, sim_gpus, monkeypatch):
-    """The sshd target (this host) with remote commands pointed at the emulator and simulated GPUs."""
-    from tests.e2e.test_targets import stand_in_remote_env
-
-    monkeypatch.setenv("DATAGEN_REMOTE_ENV", stand_in_remote_env())
-    return ssh_env
 
 
 @pytest.mark.slow
@@ -309,8 +299,6 @@ def test_remote_ssh_launch_tunnel_and_stop(remote, sim_gpus, started, tmp_path):
 
 @pytest.mark.slow
 def test_remote_launch_with_api_key_keeps_it_off_every_command_line(remote, sim_gpus, started, tmp_path):
-    from tasks.targets import run_command
-
     secret = "sk-remote-datagen-7c41a9"
     target = remote.url()
     cfg = ServerConfig(model_path=str(REPO / DEMO), backend="emulator", port=free_port(), extra_args=FAST,
@@ -335,8 +323,6 @@ def test_remote_launch_with_api_key_keeps_it_off_every_command_line(remote, sim_
 
 @pytest.mark.slow
 def test_remote_tunnel_failure_kills_the_started_server(remote, sim_gpus, tmp_path, monkeypatch):
-    from tasks.server import ServerError
-
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake_ssh = bindir / "ssh"  # the forward is the only thing run through the ssh binary

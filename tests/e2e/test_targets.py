@@ -115,24 +115,6 @@ def test_start_detached_local_is_a_session_leader(tmp_path, reap_pids):
 # --------------------------------------------------------------------------- over real sshd
 
 
-def stand_in_remote_env() -> str:
-    """A DATAGEN_REMOTE_ENV that points remote commands (on this host) at the emulator, nvidia-smi
-    stand-in, simulated GPUs and this Python."""
-    env = {
-        "PATH": f"{REPO / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
-        "DATAGEN_SIM_GPUS": os.environ["DATAGEN_SIM_GPUS"],
-        "DATAGEN_PYTHON": sys.executable,
-    }
-    return " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-
-
-@pytest.fixture
-def remote(ssh_env, sim_gpus, monkeypatch):
-    """The sshd target with DATAGEN_REMOTE_ENV pointing remote commands at the stand-ins."""
-    monkeypatch.setenv("DATAGEN_REMOTE_ENV", stand_in_remote_env())
-    return ssh_env
-
-
 @pytest.mark.parametrize("kind", ["ssh", "pct"])
 def test_metacharacters_reach_the_remote_command_literally(remote, kind, tmp_path):
     canary = tmp_path / "pwned"

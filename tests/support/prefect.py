@@ -21,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from datagen.cmd_up import _stop
 from tests.support.common import free_port
 
 VENV_BIN = Path(sys.executable).parent
@@ -48,8 +49,6 @@ class PrefectServer:
 
 def _stop_group(pid: int) -> None:
     """SIGTERM the tree led by ``pid``, SIGKILL what is left after 10 s (the same stop as `datagen down`)."""
-    from datagen.cmd_up import _stop
-
     try:
         proc = psutil.Process(pid)
     except psutil.NoSuchProcess:

@@ -18,10 +18,12 @@ openssh-server`); tests are skipped with that hint when /usr/sbin/sshd is missin
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.common import free_port
+from tests.support.paths import REPO_ROOT
 
 SSHD = "/usr/sbin/sshd"
 
@@ -157,3 +160,21 @@ def ssh_env(sshd_server: SshServer, monkeypatch: pytest.MonkeyPatch) -> SshServe
 
 
 __all__ = ["SshServer", "start_sshd", "stop_sshd", "sshd_server", "ssh_env"]
+
+
+def stand_in_remote_env() -> str:
+    """A DATAGEN_REMOTE_ENV that points remote commands (on this host) at the emulator, nvidia-smi
+    stand-in, simulated GPUs and this Python."""
+    env = {
+        "PATH": f"{REPO_ROOT / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+        "DATAGEN_SIM_GPUS": os.environ["DATAGEN_SIM_GPUS"],
+        "DATAGEN_PYTHON": sys.executable,
+    }
+    return " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+
+
+@pytest.fixture
+def remote(ssh_env, sim_gpus, monkeypatch):
+    """The sshd target with DATAGEN_REMOTE_ENV pointing remote commands at the stand-ins."""
+    monkeypatch.setenv("DATAGEN_REMOTE_ENV", stand_in_remote_env())
+    return ssh_env

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import types
 from types import SimpleNamespace
 
+import pynvml
 import pytest
 
 from tasks import gpus as probe
@@ -181,8 +183,6 @@ def test_device_file_holder_hidden_from_the_gpu_list_is_found_and_ended(sim_gpus
 
 
 def test_terminate_never_signals_a_recycled_pid():
-    import signal
-
     proc = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL)
     try:
         real_start = probe._stat(proc.pid)[5]
@@ -201,8 +201,6 @@ def test_probe_protocol_errors_are_answers_not_exceptions():
 
 def _driver_present() -> bool:
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from datagen.cmd_clean_gpus import main as clean_main
-from tasks.hygiene import GpusNotClean, HygieneReport, ProcessFinding, clean_gpus
+from tasks.hygiene import GpusNotClean, HygieneReport, ProcessFinding, clean_gpus, hygiene_task
 from tasks.targets import start_detached
 from tests.support.hygiene import Holder, alive, start_holder, stop_holders
 
@@ -225,8 +225,6 @@ def test_console_script_end_to_end(sim_gpus, holders, tmp_path):
 
 
 def test_prefect_task_wrapper(sim_gpus, holders):
-    from tasks.hygiene import hygiene_task
-
     assert hygiene_task.name == "gpu-hygiene"
     h = start_holder((6,), 2048)
     holders.append(h)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+import tasks.config
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 
 ROOT = project_root()
@@ -130,10 +132,6 @@ def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> N
 def test_max_relaunches_documented_as_one_budget_per_run() -> None:
     # The flow counts relaunches once per run, across datasets (tests/test_flow_recovery.py): the
     # docs and every bundled partition that sets the key must say so, not suggest a per-dataset count.
-    import re
-
-    import tasks.config
-
     doc = " ".join((tasks.config.__doc__ or "").split())
     assert "``run.max_relaunches`` is a budget per run, not per dataset" in doc
     assert "all of the partition's datasets share it" in doc

@@ -9,13 +9,13 @@ import threading
 import time
 import traceback
 
-import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.inference import ClientConfig, DatasetSpec, ServerGone, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, ServerGone, run_dataset, run_inputs
 from tasks.prompts import ChatTemplate
-from tasks.shards import InputChanged, OutputDir, OutputLocked
+from tasks.shards import InputChanged, OutputDir
+from tests.support.common import free_port
 from tests.support.emulator import DEMO_MODEL
 from tests.support.inference import (
     EMU_ARGS,
@@ -25,7 +25,6 @@ from tests.support.inference import (
     metrics,
     rows_on_disk,
     run,
-    start_driver,
     wait_idle,
     write_input,
 )
@@ -123,33 +122,8 @@ def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
     assert_exactly_once(out, ids)
 
 
-@pytest.mark.slow
-def test_second_concurrent_run_refused_first_unaffected(tmp_path, sim_gpus, emulator_factory, reap_pids):
-    em = emulator_factory(EMU_ARGS[:-2] + ["--max-running-requests", "8", "--emu-decode-ms-per-step", "3"])
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
-    ids = write_input(inp, 150)
-    first = start_driver(inp, out, em.url, shard=16, conc=16, flow_run="fr-first")
-    reap_pids.append(first.pid)
-    deadline = time.monotonic() + 30
-    while OutputDir(out).lock_holder() is None:
-        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()
-        time.sleep(0.01)
-    t0 = time.monotonic()
-    with pytest.raises(OutputLocked) as e:
-        run(inp, out, em.url)
-    assert time.monotonic() - t0 < 2.0
-    assert f"pid={first.pid}" in str(e.value) and "flow_run=fr-first" in str(e.value)
-    assert first.poll() is None  # still running, unaffected
-    stdout, stderr = first.communicate(timeout=60)
-    assert first.returncode == 0, stderr.decode()[-2000:]
-    assert orjson.loads(stdout.splitlines()[-1])["rows_generated"] == 150
-    assert_exactly_once(out, ids)
-
-
 def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
     """`datagen run --input ... --server-url ...` entry: model dir from /model_info, forced split."""
-    from tasks.inference import run_inputs
-
     opened = "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n<think>\n"
     a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
     a.write_text(json.dumps({"id": "open", "prompt": opened}) + "\n" + json.dumps(
@@ -188,8 +162,6 @@ def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp
 
 def test_server_gone_traceback_is_a_clean_chain(tmp_path):
     # run_dataset probes for a running event loop; that probe's RuntimeError must not head the chain.
-    from tests.support.common import free_port
-
     inp = tmp_path / "in.jsonl"
     write_input(inp, 4)
     with pytest.raises(ServerGone) as e:

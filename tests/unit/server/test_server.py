@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+import tasks.server as server
+import tasks.server._config as config
+import tasks.server._log as server_log
 from tasks.server import (
     API_KEY_ENV,
     Failure,
@@ -19,6 +22,7 @@ from tasks.server import (
     launch_env,
     parse_progress,
 )
+from tasks.server._config import log_file_name
 
 
 def flag_value(argv: list[str], flag: str) -> str:
@@ -251,10 +255,6 @@ def test_launch_failed_message_names_everything():
 
 
 def test_every_public_name_is_importable_from_tasks_server():
-    import tasks.server as server
-    import tasks.server._config as config
-    import tasks.server._log as server_log
-
     for mod in (config, server_log):
         missing = [n for n in mod.__all__ if n not in server.__all__ and not n.startswith(("explanation", "log_"))]
         assert not missing, f"{mod.__name__} names not re-exported by tasks.server: {missing}"
@@ -264,8 +264,6 @@ def test_every_public_name_is_importable_from_tasks_server():
 
 
 def test_log_file_names_differ_per_fraction_and_name_the_port():
-    from tasks.server._config import log_file_name
-
     cfg = ServerConfig(model_path="m", port=31234)
     a, b = log_file_name(cfg, 0.8), log_file_name(cfg, None)
     assert a.startswith("server-31234-") and a.endswith("-f0.8.log") and b.endswith("-fdefault.log")

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -18,8 +19,10 @@ from tasks.server import (
     MemoryStoreError,
     PrefectStore,
     ServerConfig,
+    ServerHandle,
     StartupProgress,
     TuningPolicy,
+    gpu_model_name,
     launch_tuned,
     list_remembered,
     memory_key,
@@ -110,8 +113,6 @@ def test_default_store_is_file_without_prefect_api(tmp_path, monkeypatch):
 
 
 def test_default_store_is_prefect_when_api_answers(monkeypatch):
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/api/health" else 404)
@@ -163,8 +164,6 @@ class Scripted:
             raise LaunchFailed(Failure("too_low", "raise"), tail, exit_status=-9)
         if f > self.high:
             raise LaunchFailed(Failure("too_high", "lower"), tail, exit_status=-9)
-        from tasks.server import ServerHandle
-
         return ServerHandle(pid=1, pgid=1, url="http://x", log_path="/dev/null", fraction=fraction,
                             target="local", command=[], gpus=[0],
                             progress=StartupProgress(headroom_gib=round((0.95 - f) * 95, 2)), ready_s=0.1)
@@ -244,33 +243,11 @@ def test_non_fraction_failure_stops_at_once(memory):
     assert "bad_flag is not fixed by changing --mem-fraction-static" in str(ei.value)
 
 
-@pytest.mark.slow
-def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    monkeypatch.setenv("PREFECT_API_URL", prefect_server.api_url)
-    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        mem = FractionMemory.default()
-        assert mem.kind == "prefect"
-        key = f"host|/m|tp8|NVIDIA H200|{os.getpid()}"
-        assert mem.get(key) is None
-        mem.remember_success(key, 0.88, 5.47)
-        mem.remember_runtime_oom(key, 0.88, 0.05)
-        e = mem.get(key)
-        assert (e.fraction, e.headroom_gib, e.runtime_oom_at) == (0.83, 5.47, 0.88)
-        rows = [r for r in list_remembered(mem) if r["key"] == key]
-        assert len(rows) == 1 and rows[0]["store"] == "prefect" and rows[0]["fraction"] == 0.83
-
-
 def test_gpu_model_in_the_memory_key_comes_from_discovery(sim_gpus) -> None:
-    from tasks.server import gpu_model_name
-
     assert gpu_model_name("local", [3]) == "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 
 
 def test_gpu_model_unreadable_is_unknown(monkeypatch) -> None:
-    from tasks.server import gpu_model_name
-
     monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML, even on a GPU host

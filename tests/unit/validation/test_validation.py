@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pytest
 
 from datagen import cmd_validate
+from tasks.inference import DatasetSpec, run_dataset
 from tasks.schema import ROW_SCHEMA
 from tasks.validation import (
     BadOutput,
@@ -436,51 +438,7 @@ def test_output_with_no_shard_and_unknown_total_fails(tmp_path):
     assert cmd_validate.main([str(out)]) == 1
 
 
-ARTIFACT_SCRIPT = """
-import json, sys
-from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
-from tasks.validation import publish_artifacts, validate_output
-from tests.support.paths import REPO_ROOT
-
-@flow(name="validation-artifacts")
-def publish(out):
-    return publish_artifacts(validate_output(out), "Validation Run_1")
-
-with prefect_test_harness(server_startup_timeout=120):
-    ids = publish(sys.argv[1])
-    with get_client(sync_client=True) as client:
-        arts = client.read_artifacts()
-    print(json.dumps({"ids": ids, "arts": [{"key": a.key, "type": a.type, "data": a.data} for a in arts]}))
-"""
-
-
-@pytest.mark.slow
-def test_artifacts_in_a_flow_run(tmp_path):
-    out = write_output(tmp_path / "out", {"glaive": [clean_rows("glaive", 30, parser=None)]}, shard_size=30)
-    env = {**__import__("os").environ, "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_LOGGING_LEVEL": "WARNING"}
-    env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run([sys.executable, "-c", ARTIFACT_SCRIPT, str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(doc["ids"]) == 2
-    arts = {a["key"]: a for a in doc["arts"]}
-    assert set(arts) == {"validation-run-1-checks", "validation-run-1-summary"}
-    assert arts["validation-run-1-summary"]["type"] == "markdown"
-    assert arts["validation-run-1-summary"]["data"].startswith("# Validation: FAIL")
-    table = arts["validation-run-1-checks"]
-    assert table["type"] == "table"
-    rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
-    assert {r["check"]: r["status"] for r in rows}["tag_leak"] == "fail"
-
-
 def test_concurrent_gates_keep_every_shard_in_the_report(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     data = {f"ds{j}": [clean_rows(f"ds{j}", 20, k * 20) for k in range(3)] for j in range(3)}
     out = write_output(tmp_path / "out", data, shard_size=20)
     jobs = [(f"ds{j}", k) for j in range(3) for k in range(3)]
@@ -493,8 +451,6 @@ def test_concurrent_gates_keep_every_shard_in_the_report(tmp_path):
 
 def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_path, emulator_factory):
     # The writer (tasks.inference) against the emulator with the demo model (qwen3 family, <think>).
-    from tasks.inference import DatasetSpec, run_dataset
-
     em = emulator_factory([])
     src = tmp_path / "in.jsonl"
     src.write_text("".join((ROOT / "data/samples/glaive_like.jsonl").read_text().splitlines(True)[:24]))
