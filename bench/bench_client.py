@@ -1,19 +1,8 @@
-"""Inference client and driver: rows/s end to end, transport choice, slot utilisation, memory.
+"""Inference client and driver against the emulator: rows/s end to end and against a bare aiohttp loop,
+each transport alone, slot utilisation under modelled latency, and peak RSS for 200k vs 10k prompts.
+Measured side by side in one run, so ratios compare like with like.
 
-Run alone: ``.venv/bin/python bench/bench_client.py [--quick]`` (prints the rows as JSON lines).
-
-Measured against the emulator (a real process on loopback) in one run, so ratios compare like with like:
-
-- ``bare_rows_per_s``: a bare aiohttp + orjson loop (no retries, no journal) on the zero-latency emulator;
-- ``client_<transport>_req_per_s``: ``GenerateClient.generate`` alone with each transport;
-- ``e2e_rows_per_s``: ``run_dataset`` (render, /generate, reasoning split, journal, Parquet commits)
-  on the same emulator with the default transport (raw aiohttp); targets >= 1,000 rows/s and >= 0.5x
-  the bare loop; ``e2e_httpx_aiohttp_vs_bare`` is the same with the httpx-aiohttp transport;
-- ``slot_utilisation``: with a modelled latency (32 slots, 2 ms decode steps), the emulator's
-  ``emu_busy_slot_seconds_total`` over slots x wall time while the client still had rows to send;
-  target >= 97%;
-- ``peak_rss_ratio``: peak RSS of a driver subprocess with 200k prompts over that with 10k
-  (quick: 50k vs 10k); target <= 1.25.
+Run alone: ``.venv/bin/python bench/bench_client.py [--quick]`` (rows as JSON lines).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""GPU hygiene speed: 16 holders on 8 simulated GPUs, half ignoring SIGTERM, ended and verified clean.
+"""GPU hygiene speed: 16 holders on 8 simulated GPUs, half ignoring SIGTERM (full mode: each with a child
+and a 0.5 s driver release lag), ended and verified clean within grace + 2 s.
 
-Run alone: ``.venv/bin/python bench/bench_hygiene.py [--quick]``. Target: verified clean within
-grace + 2 s (the SIGTERM-ignorers cost exactly the grace period; everything else must be quick).
-Full mode gives every holder a child process holding memory too (32 processes) and a 0.5 s simulated
-driver release lag that the verification poll has to absorb.
+Run alone: ``.venv/bin/python bench/bench_hygiene.py [--quick]``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""Recovery cost after a ``kill -9`` of the inference driver, measured against a live emulator.
+"""Recovery cost after a ``kill -9`` of the inference driver at a seeded random moment, against a live
+emulator (its load time excluded): rows regenerated (from the server's request counter), restart to
+first new row, and every input id exactly once after the rerun (else the benchmark fails).
 
-Each trial starts ``tasks.inference.run_dataset`` in a subprocess, SIGKILLs it at a seeded random
-moment (after 15-85% of the rows are done), waits until the server has finished whatever was in
-flight, then reruns the driver to completion. The server stays up (its load time is excluded, as
-the issue asks; a flow-level rerun adds hygiene + launch + the GPU-lease wait on top).
-
-- rows regenerated = requests the server finished for the killed run that are not in the journal
-  or a committed shard (that work is lost and done again) + requests of the rerun beyond the rows
-  still missing (should be 0). Counted from the emulator's ``sglang:num_requests_total``.
-  Target: at most the in-flight concurrency.
-- restart -> first new row: from the rerun's process start to the first new journaled row
-  (Python start-up, lock, recovery of journals and shards, re-reading the input included).
-- every input id exactly once in the committed Parquet after the rerun (checked, else the
-  benchmark fails).
-
-Runnable alone: ``python bench/bench_recovery.py [--quick]``.
+Run alone: ``.venv/bin/python bench/bench_recovery.py [--quick]``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
-"""Chaos run: N rounds of `datagen run` on the emulator, each with a random fault, then reruns
-until complete; after each round nothing may be lost, duplicated or left behind.
+"""Chaos run: N rounds of `datagen run` on the emulator, each with one fault from the matrix (README,
+"Reliability"), rerun until complete; then nothing may be lost, duplicated or left behind.
 
     python bench/chaos.py --rounds N [--seed S] [--round K] [--faults a,b,...] [--quick] [--keep]
                           [--work-dir DIR] [--json PATH]
 
-Fault matrix (one per round; the order is a seeded shuffle of the matrix, repeated, so 9+ rounds
-cover every fault):
-
-- ``kill9``        SIGKILL of the `datagen run` process at a random moment (start-up, launch, or
-                   after a random number of finished rows); the server it started is left running
-- ``server_crash`` ``--emu-crash-after N``: the scheduler raises, the server dies (-9)
-- ``runtime_oom``  ``mem_fraction_static = 0.93`` on the demo profile, concurrency 64, long prompts:
-                   a prefill batch runs out of headroom (torch OOM) and the tuner must step down
-- ``hang``         ``--emu-hang-after N``: nothing answers any more; the hang watchdog must fire
-- ``http_503``     ``--emu-503-rate R``: bursts of "queue is full" answers the client must retry
-- ``orphan``       ``--emu-orphan-on-crash`` + crash: a scheduler survives holding GPU memory
-- ``stale_holder`` `datagen gpu-sim hold --ignore-sigterm` (with children) on a GPU of the server
-                   before the run: hygiene must SIGKILL it
-- ``disk_full``    the output directory is a small tmpfs (``mount -t tmpfs``; root only) that fills
-                   during shard writes; it is then grown (the operator frees space) and rerun
-- ``malformed``    ~10% malformed input rows (bad JSON, no user turn, bad role, duplicate id, ...)
-
-Every round also has 1-3 malformed rows. The fault's run may fail (exit 1) or be killed; the same
-partition is then rerun until `datagen run` exits 0: at most ``--max-reruns`` times, or up to 12
-while every rerun adds rows (a crash/hang-after-N fault recurs on every relaunched server, so a
-run can spend its whole ``max_relaunches`` budget with rows still to do). Checks per round:
-every valid input id exactly once in the committed Parquet, exactly the malformed lines in
-``_rejects``, `datagen validate OUT` exits 0, no process of the round alive (every process the
-round started carries ``DATAGEN_CHAOS_TAG=<token>`` in its environment; leftovers are found by that
-exact token and then killed by pid), simulated GPU memory all released.
-
-Replay: the parameters of round K depend only on (seed, K): ``--seed S --round K`` reruns it.
-All rounds share one Prefect server (started here, stopped by pid at the end), as under `datagen up`.
-A kill9 round's rerun does not wait for the killed run's ``gpu:<host>`` slot lease to expire (60 s):
-the new run releases the leases of this host's recorded runs whose flow process is dead
-(flows/runrecord.py), and a crashed server is noticed at its first refused request (the client's
-liveness check), not after ~9.5 s of retries.
+A round's parameters depend only on (seed, K), so ``--seed S --round K`` replays it. Every process a
+round starts carries ``DATAGEN_CHAOS_TAG=<token>`` in its environment; leftovers are found by that
+token and killed by pid. All rounds share one Prefect server, stopped by pid at the end.
 
 Exit codes: 0 every round passed; 1 a round lost or duplicated a row, failed validation, did not
 complete, or left a process or GPU memory behind; 2 usage error or the harness could not start.

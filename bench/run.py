@@ -1,9 +1,8 @@
 """Run every benchmark in bench/ and print one table (metric, value, target, ratio/ok).
 
-Each `bench/bench_<area>.py` exposes `run(quick: bool) -> list[dict]` with rows
-`{"metric", "value", "unit", "target", "ok"}` (optional "ratio", "note"). Benchmarks run one after the
-other in this process's children (one subprocess per module, so one module's state or crash cannot
-skew another), side by side in one run so ratios compare like with like on a noisy machine.
+Each ``bench/bench_<area>.py`` exposes ``run(quick: bool) -> list[dict]`` (rows ``{"metric", "value",
+"unit", "target", "ok"}``, optional "ratio", "note") and runs in its own subprocess, one after the
+other, so one module's state or crash cannot skew another.
 
 Usage: python bench/run.py [--quick] [--only AREA ...] [--json PATH]
 Exit codes: 0 every target met, 1 a target missed or a benchmark failed, 2 usage error.

@@ -1,10 +1,8 @@
 """``datagen emulator`` / ``python -m emulator``: the SGLang stand-in's main process.
 
-Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (see the README, "The SGLang emulator and simulated GPUs").
-
-Exit status, as SGLang's: 2 for a usage error (argparse), 1 when the model dir is missing or the port
-is taken, and death by SIGKILL (-9, 137 from a shell) after a scheduler failure or SIGTERM, because the
-main process kills its process tree with itself last. It never exits 0 on its own.
+Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (README, "The SGLang emulator and
+simulated GPUs"). Exit status as SGLang's: 2 usage error, 1 model dir missing or port taken, otherwise
+death by SIGKILL (-9) after a scheduler failure or SIGTERM; never 0 on its own.
 """
 
 from __future__ import annotations

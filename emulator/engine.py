@@ -1,12 +1,7 @@
-"""The throughput model: batch slots, prefill batches, one decode step per running batch.
+"""The throughput model: batch slots, FIFO admission as prefill batches, one decode step per running batch.
 
-Requests wait in a FIFO queue. The scheduler admits waiting requests into free slots
-(``--max-running-requests``) as one prefill batch of at most ``--chunked-prefill-size`` prompt tokens
-(a single longer prompt goes alone), taking ``prompt_tokens * prefill_us_per_token``; the prefill yields
-each request's first token. Then each decode step takes ``decode_ms_per_step`` and gives every running
-request one more token. With both times zero every request is answered in the event-loop tick after it
-arrives, but requests that arrive in the same tick still form one prefill batch, so the activation
-memory model (``torch.OutOfMemoryError`` when a batch needs more than the headroom) applies either way.
+Requests that arrive in the same event-loop tick share a prefill batch even at zero latency, so the
+activation memory model applies either way (README, "Throughput model").
 """
 
 from __future__ import annotations
@@ -94,7 +89,11 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     def submit(self, reqs: list[Req]) -> None:
-        """Queue ``reqs`` (all or none). Raises QueueFull."""
+        """Queue ``reqs``, all or none.
+
+        Raises:
+            QueueFull: more than ``max_queued_requests`` would be waiting.
+        """
         limit = self.cfg.max_queued_requests
         if limit is not None and len(self.waiting) + len(reqs) > limit:
             raise QueueFull()

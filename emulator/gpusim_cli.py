@@ -1,7 +1,7 @@
 """``datagen gpu-sim init|show|hold``: manage the simulated-GPU state file named by DATAGEN_SIM_GPUS.
 
-Exit codes: 0 ok; 2 usage error, DATAGEN_SIM_GPUS unset, state file missing/unreadable, or (hold) the
-allocation does not fit. ``hold`` runs until killed (SIGTERM ends it unless --ignore-sigterm).
+Exit codes: 0 ok; 2 usage error, no or unreadable state file, or (hold) the allocation does not fit.
+``hold`` runs until killed (SIGTERM ends it unless --ignore-sigterm).
 """
 
 from __future__ import annotations

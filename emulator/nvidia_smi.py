@@ -1,8 +1,6 @@
-"""A ``nvidia-smi`` stand-in over the simulated GPUs (DATAGEN_SIM_GPUS), for the SSH hygiene path.
+"""An ``nvidia-smi`` stand-in over the simulated GPUs (DATAGEN_SIM_GPUS), for the SSH hygiene path.
 
-Supports ``--query-gpu=FIELDS`` and ``--query-compute-apps=FIELDS`` with ``--format=csv[,noheader]
-[,nounits]``, ``-i/--id``, ``-L`` and a plain summary. No state file: nvidia-smi's driver error,
-exit 9. Unknown field: exit 2.
+Exit 9 with the driver error when there is no state file, 2 for an unknown query field.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The emulator's child processes: one scheduler per TP rank and a detokenizer.
+"""The emulator's forked children: one scheduler per TP rank and a detokenizer.
 
-Children are forked (cheap: no interpreter start, no imports). Each scheduler runs SGLang's startup
-memory sequence on its simulated GPU, holding the memory under its own pid, reports the numbers to the
-main process over a pipe, then waits for orders. Like SGLang's, children ask the kernel to SIGKILL them
-when their parent dies (PR_SET_PDEATHSIG) -- except the one scheduler chosen by
-``--emu-orphan-on-crash``, which survives its parent's death still holding its memory.
-
-Pipe protocol: child -> parent one JSON line (``{"ok": true, ...numbers}``); parent -> child lines
-``crash\\t<exception text with \\n escaped>``. EOF from the parent ends a child (except the orphan).
+Each scheduler runs SGLang's startup memory sequence on its simulated GPU under its own pid, reports
+the numbers over a pipe (one JSON line), then waits for orders (``crash\t<text>``). Children die
+with their parent (PR_SET_PDEATHSIG), except the one ``--emu-orphan-on-crash`` picks.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""Model profiles and the per-rank GPU memory model of the emulator.
-
-All sizes are GiB (SGLang prints GiB and calls them "GB"). The model follows SGLang's startup:
-
-1. ``Load weight begin``: free memory on the GPU minus the CUDA context / NCCL buffers.
-2. weights (``weights_gib_total / tp``) are allocated;
-3. the KV pool takes what is left above ``total * (1 - mem_fraction_static)``; a pool of no tokens is
-   ``RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.``;
-4. the rest of the static pool (req-to-token pool, attention workspace) takes ``pool_overhead_gib``;
-5. CUDA graph capture takes ``graph_gib`` (plus a small allocator step before it); when that does not
-   fit the capture fails ("Capture cuda graph failed: ...").
-
-What stays free after graph capture is the *headroom* for activations:
-``total * (1 - fraction) - pool_overhead - graph_step - graph``. A prefill batch of N tokens needs
-``N * activation_mib_per_token``; more than the headroom is ``torch.OutOfMemoryError``.
-
-The demo profile is calibrated on the field reports: on a 97,887 MiB GPU, 0.93 leaves 0.79 GiB
-(2,048 tokens at 0.5 MiB need 1 GiB: OOM on the first big prefill batch) and 0.88 leaves 5.57 GiB
-(a full 8,192-token chunk needs 4 GiB: runs clean).
+"""Model profiles and the per-rank GPU memory model of the emulator (sizes in GiB, "GB" in the logs
+as in SGLang): weights, KV pool, static buffers, CUDA graphs, and the activation headroom a prefill
+batch must fit in. The model and the demo profile's calibration are in the README, "Memory model".
 """
 
 from __future__ import annotations
@@ -122,7 +106,13 @@ DEMO_PROFILE_WEIGHTS_GIB = 56.0
 def load_model(model_path: str, profile: str = "auto") -> ModelInfo:
     """Read ``config.json`` (and ``tokenizer_config.json`` when present) of a model dir.
 
-    Raises OSError when the directory or its config.json is missing (SGLang fails the same way).
+    Args:
+        model_path: the model directory.
+        profile: ``auto`` (demo when config.json has ``datagen_demo``), ``demo`` or ``generic``.
+
+    Raises:
+        OSError: the directory or its config.json is missing (SGLang fails the same way).
+        ValueError: unknown profile.
     """
     cfg_path = os.path.join(model_path, "config.json")
     if not os.path.isdir(model_path) or not os.path.isfile(cfg_path):
@@ -170,7 +160,15 @@ def load_model(model_path: str, profile: str = "auto") -> ModelInfo:
 def plan_rank_memory(model: ModelInfo, total_mib: int, used_mib: int, fraction: float, tp: int) -> RankMemory:
     """The memory a rank logs and holds, given its GPU's total and what others already use.
 
-    Raises MemoryError_ with SGLang's message when a phase does not fit.
+    Args:
+        model: the model and its memory profile.
+        total_mib: the GPU's total memory.
+        used_mib: memory other processes already hold on it.
+        fraction: ``--mem-fraction-static``.
+        tp: tensor-parallel size (weights are split across ranks).
+
+    Raises:
+        MemoryError_: a startup phase does not fit; the message is SGLang's for that phase.
     """
     prof = model.profile
     total = total_mib / GIB

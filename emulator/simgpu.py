@@ -1,28 +1,8 @@
-"""Simulated GPUs: a JSON state file shared by every process that "uses" a GPU.
+"""Simulated GPUs: a JSON state file (named by DATAGEN_SIM_GPUS) shared by every process that "uses" a GPU.
 
-The file is named by the environment variable ``DATAGEN_SIM_GPUS``. Format (version 1)::
-
-    {
-      "version": 1,
-      "release_delay_s": 0.0,           # driver teardown lag: memory of a dead owner stays this long
-      "gpus": [
-        {"index": 0, "uuid": "GPU-…", "name": "NVIDIA RTX PRO 6000 …", "total_mib": 97887}
-      ],
-      "allocations": [
-        {"gpu": 0, "pid": 1234, "create_time": 1764412345.12, "mib": 1024, "dead_since": null}
-      ]
-    }
-
-An allocation counts while its owner lives. The owner is identified by pid *and* process start time,
-so a recycled pid never inherits memory. A zombie counts as dead: the real driver releases memory when
-the process exits, before it is reaped. After the owner dies the allocation still counts for
-``release_delay_s`` seconds from the moment a reader first saw it dead (the driver's teardown lag),
-then it is dropped. Dead owners are not listed as processes (as NVML does not list them) while their
-memory still counts in ``used_mib``.
-
-Every read-modify-write happens under an exclusive ``flock`` on ``<path>.lock`` and the file is
-replaced by rename, so concurrent writers (schedulers of one emulator, holders, hygiene) never lose
-an update and readers never see a torn file.
+An allocation counts while its owner (pid + start time) lives and is not a zombie, then for
+``release_delay_s`` after it was first seen dead. Updates happen under ``flock(<file>.lock)`` and
+replace the file by rename. File format: README, "Simulated GPUs".
 """
 
 from __future__ import annotations
@@ -122,7 +102,18 @@ class SimGpus:
         name: str = DEFAULT_NAME,
         release_delay_s: float = 0.0,
     ) -> SimGpus:
-        """Create (or reset) the state file with ``count`` idle GPUs."""
+        """Create (or reset) the state file with ``count`` idle GPUs.
+
+        Args:
+            path: the state file (default: DATAGEN_SIM_GPUS).
+            count: number of GPUs.
+            total_mib: memory of each GPU.
+            name: the GPU model name NVML would report.
+            release_delay_s: how long a dead owner's memory still counts.
+
+        Raises:
+            SimGpuError: no path, or a count or size below 1.
+        """
         if count < 1:
             raise SimGpuError(f"--count must be at least 1, got {count}")
         if total_mib < 1:
@@ -213,7 +204,17 @@ class SimGpus:
 
     # ----------------------------------------------------------------- public API
     def set_allocation(self, gpu: int, mib: int, pid: int | None = None) -> None:
-        """Set ``pid``'s allocation on ``gpu`` to ``mib`` (0 frees it). Raises SimGpuOutOfMemory."""
+        """Set ``pid``'s allocation on ``gpu`` to ``mib`` (0 frees it).
+
+        Args:
+            gpu: GPU index.
+            mib: the allocation's new size.
+            pid: the owner (default: this process).
+
+        Raises:
+            SimGpuOutOfMemory: the GPU does not have that much memory free.
+            SimGpuError: ``pid`` names no process, or the state file is unreadable.
+        """
         pid = os.getpid() if pid is None else int(pid)
         create_time = _process_create_time(pid)
         if create_time is None:
@@ -238,7 +239,11 @@ class SimGpus:
             self._write(state)
 
     def add_allocation(self, gpu: int, mib: int, pid: int | None = None) -> None:
-        """Grow ``pid``'s allocation on ``gpu`` by ``mib``. Raises SimGpuOutOfMemory."""
+        """Grow ``pid``'s allocation on ``gpu`` by ``mib``.
+
+        Raises:
+            SimGpuOutOfMemory, SimGpuError: as :meth:`set_allocation`.
+        """
         pid = os.getpid() if pid is None else int(pid)
         self.set_allocation(gpu, self.allocation_of(gpu, pid) + mib, pid)
 

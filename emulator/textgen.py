@@ -1,14 +1,7 @@
-"""Deterministic text generation and the emulator's toy tokenizer.
+"""Deterministic output text in the model family's reasoning format, and the emulator's toy tokenizer.
 
-Tokenizer (documented in the README, "Output text and tokenizer"): a token is optional leading whitespace followed by one
-special tag (``<|...|>``, ``<think>``, ``</think>``, ``◁think▷``, ``◁/think▷``, ``[THINK]``,
-``[/THINK]``), one run of word characters, or one other non-space character; trailing whitespace is one
-more token. ``count_tokens(text)`` is the number of such tokens. Generated outputs are built token by
-token in exactly that form, so ``completion_tokens == count_tokens(text)`` for every answer
-(``prompt_tokens == count_tokens(prompt)``).
-
-Output: a pseudo-random sequence of words seeded by (emulator seed, prompt, sampling seed, sample
-index), shaped as ``<start>reasoning<end>\\n\\ncontent`` in the model family's reasoning format.
+Outputs are built token by token in the tokenizer's own form, so ``completion_tokens ==
+count_tokens(text)`` for every answer (README, "Output text and tokenizer").
 """
 
 from __future__ import annotations
@@ -154,9 +147,16 @@ def generate(
 ) -> Output:
     """The deterministic answer to ``prompt_key``.
 
-    ``opened``: the prompt already ends with the start tag (the template opened the think block), so the
-    output starts mid-reasoning and holds only the end tag. ``closed``: the prompt already holds an empty
-    think block, so the output is content only.
+    Args:
+        prompt_key: the prompt plus sampling seed and sample index; the same key gives the same answer.
+        fmt: the model family's reasoning format.
+        seed: the emulator's ``--emu-seed``.
+        mean_tokens: mean output length (uniform 0.5x..1.5x).
+        max_new_tokens: cut here, anywhere, with finish ``length``.
+        stop: stop strings; the text ends before the first one generated.
+        eos_token_id: reported as the matched stop when the answer ends on its own.
+        opened: the prompt ends with the start tag, so the output starts mid-reasoning.
+        closed: the prompt holds an empty think block, so the output is content only.
     """
     rng = random.Random(_seed((prompt_key, seed)))
     total = max(4, int(mean_tokens * (0.5 + rng.random())))

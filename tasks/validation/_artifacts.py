@@ -52,6 +52,10 @@ def publish_artifacts(report: ValidationReport, key_prefix: str = "validation") 
 
     Outside a flow or task run this does nothing and returns []; inside, it returns the artifact ids.
     Keys are ``<prefix>-checks`` and ``<prefix>-summary`` (lowercase letters, digits, dashes).
+
+    Args:
+        report: the validation report to publish.
+        key_prefix: start of both artifact keys (normalised to lowercase letters, digits, dashes).
     """
     # Prefect is imported only when artifacts are published: `datagen validate`, resplit and the
     # benchmarks use this package without paying Prefect's import (seconds).

@@ -81,6 +81,11 @@ def validate_table(table: pa.Table, thresholds: Thresholds | None = None,
 
     Raises nothing for bad data: a breach is a failing Check. A column a check needs that is missing or
     mistyped makes that check ``unknown`` (and ``schema`` fail).
+
+    Args:
+        table: rows in the ``tasks.schema.ROW_SCHEMA`` layout.
+        thresholds: limits of the checks (default: ``Thresholds()``).
+        context: the dataset, shard and parser expectations the checks need.
     """
     thr = thresholds or Thresholds()
     ctx = context or Context(dataset="table")

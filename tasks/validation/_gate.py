@@ -22,6 +22,12 @@ def gate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
     Every failing check stops the run; the message is that of the most fundamental one (``CHECK_ORDER``),
     naming the others. Warnings are recorded, not raised.
 
+    Args:
+        out_dir: the output directory.
+        dataset: the shard's dataset.
+        shard_index: the shard's index in its dataset.
+        thresholds: limits of the checks (default: ``Thresholds()``).
+
     Raises:
         ValidationFailed: a check failed; ``.message`` says what broke and what to do.
         BadOutput: ``out_dir`` is not an output, or the shard is not committed.

@@ -173,6 +173,12 @@ def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: i
                    thresholds: Thresholds | None = None) -> ShardValidation:
     """Validate one committed shard (row checks plus ``complete`` against the manifest).
 
+    Args:
+        out_dir: the output directory.
+        dataset: the shard's dataset.
+        shard_index: the shard's index in its dataset.
+        thresholds: limits of the checks (default: ``Thresholds()``).
+
     Raises:
         BadOutput: ``out_dir`` is not an output, or the dataset/shard is not in its manifest.
     """
@@ -234,6 +240,11 @@ def _dataset_totals(name: str, entry: Mapping[str, Any], shards: list[ShardValid
 def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | None = None,
                     *, write: bool = True) -> ValidationReport:
     """Validate every committed shard and each dataset as a whole; write ``OUT/_validation.json``.
+
+    Args:
+        out_dir: the output directory.
+        thresholds: limits of the checks (default: ``Thresholds()``).
+        write: write the report to ``OUT/_validation.json``.
 
     Raises:
         BadOutput: ``out_dir`` is missing or not a datagen output.

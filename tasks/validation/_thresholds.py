@@ -43,6 +43,9 @@ class Thresholds:
     def from_dict(cls, values: Mapping[str, Any] | None) -> Thresholds:
         """Defaults overridden by ``values`` (e.g. a partition's ``[validation]`` table).
 
+        Args:
+            values: threshold name -> value; None or empty keeps every default.
+
         Raises:
             ThresholdError: an unknown key (named, with the valid ones) or a value of the wrong type
                 or out of range.

@@ -1,9 +1,6 @@
-"""`datagen run --input A --input B --server-url URL --out OUT` against a server datagen did not start.
-
-The CLI runs as a subprocess against an emulator this test starts: both datasets complete with every
-id exactly once, the server is left alone (same pid, alive, its GPU memory untouched, no hygiene), a
-second run on the same output is refused at once naming the lock holder (exit 2), and a missing input
-is a configuration error naming the path (exit 2).
+"""`datagen run --server-url URL` against a server datagen did not start: every id exactly once, the
+server left alone (no hygiene, memory untouched), a second run refused naming the lock holder, and a
+missing input a configuration error.
 """
 
 from __future__ import annotations

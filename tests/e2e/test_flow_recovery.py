@@ -1,8 +1,7 @@
-"""`datagen run` recovery as real processes against a real Prefect server and the emulator: a
-SIGKILLed plain run's `gpu:<host>` lease is released by the next run (no wait for its expiry), a
-server left loading by a SIGKILLed run is ended by the next run from the run record, hygiene spares
-another job on a GPU the partition's server does not use, and `run.max_relaunches` is one budget
-for the whole run, not one per dataset."""
+"""`datagen run` recovery with a real Prefect server and the emulator: leases and servers of SIGKILLed
+runs are released and ended by the next run, hygiene spares other jobs' GPUs, and
+``run.max_relaunches`` is one budget per run.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The README's production steps run as written.
 
-Extracts the fenced block between ``<!-- production-steps ... -->`` and ``<!-- /production-steps -->``
-in README.md and runs it line by line in one bash shell in the project root (comments stripped, each
-line's exit status recorded), in an isolated environment: PREFECT_HOME, DATAGEN_RUN_DIR,
-DATAGEN_STATE_DIR and DATAGEN_SIM_GPUS under tmp, the Prefect port free (``datagen up`` reads
-DATAGEN_PREFECT_PORT; the block's literal 4200 is replaced with it). The block writes the demo output
-to data/out/demo: an existing one is moved aside and restored afterwards. Whatever happens,
-``datagen down`` runs with the same environment at the end.
+The fenced block between ``<!-- production-steps ... -->`` and ``<!-- /production-steps -->`` runs line
+by line in one bash shell in the project root, with PREFECT_HOME, the run and state dirs and the
+simulated GPUs under tmp and a free Prefect port in place of 4200; ``datagen down`` runs at the end
+whatever happens, and an existing data/out/demo is moved aside and restored.
 """
 
 from __future__ import annotations

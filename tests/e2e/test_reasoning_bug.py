@@ -1,12 +1,9 @@
-"""Issue 7, end to end: the field reports' empty-reasoning bug on the emulator, caught in shard 0.
+"""The empty-reasoning bug end to end, caught in shard 0.
 
-The model's chat template opens the think block in the prompt (``...<|im_start|>assistant\\n<think>\\n``),
-so the model writes ``reasoning</think>\\n\\ncontent`` with no start tag, and the run uses a reasoning
-parser that does not expect it (``mistral``: ``[THINK]`` tags). The gate stops the run after the
-first shard with one actionable message; `datagen resplit` fixes the committed shard without a
-server; a rerun with ``--reasoning-parser qwen3`` completes the output, which then validates.
-
-Every step is the real CLI in a subprocess, with simulated GPUs, Prefect home and state under tmp.
+The chat template opens the think block in the prompt and the run uses a parser that does not expect
+it (``mistral``): the gate stops the run after the first shard with one actionable message, `datagen
+resplit` fixes that shard without a server, and a rerun with ``--reasoning-parser qwen3`` completes
+and validates. Every step is the real CLI in a subprocess.
 """
 
 from __future__ import annotations

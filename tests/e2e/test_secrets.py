@@ -1,13 +1,6 @@
-"""Secrets end to end through the flow (issue 8 item 6): the server's API key and a model hub token
-come from Prefect Secret blocks (or the environment), reach the server through its environment only,
-and appear in no process list, log, artifact, run record, server log, output file or console output.
-
-Each test runs `datagen run` as a subprocess against the session's real Prefect server while a
-thread samples `ps -ww -eo args` and every /proc/*/cmdline, finds the emulator the run launched, checks
-that the token is in the server's environment and that the server answers 401 without the key and
-accepts the key. After the run, everything the run left behind is searched for both values.
-A quick unit test checks that the ServerConfig the flow builds (which carries both, for the
-server's environment) shows neither in its repr.
+"""Secrets end to end through the flow: the server's API key and a model hub token come from Prefect
+Secret blocks (or the environment), reach the server through its environment only, and appear in no
+process list, log, artifact, run record, server log, output file or console output.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Fixtures for the SGLang emulator: start it as a real process on a loopback port, stop it by pid.
-
-``start_emulator(args, env=None, log_path=None)`` starts ``python -m emulator ARGS`` in its own session
-(stdout and stderr to a log file), adds ``--port`` (a free port) and ``--model-path data/models/demo``
-when missing, and by default waits until ``/health_generate`` answers 200. ``emulator_factory`` is a
-pytest fixture returning that function and stopping every emulator it started (process group SIGKILL,
-plus any descendant that escaped the group).
+"""The SGLang emulator as a real process on a free loopback port: ``start_emulator`` and the
+``emulator_factory`` fixture, which stops every emulator it started by process group (and any
+descendant that left the group).
 """
 
 from __future__ import annotations

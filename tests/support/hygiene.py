@@ -1,10 +1,5 @@
-"""Helpers for the hygiene tests (no tests here): real processes that hold simulated GPU memory.
-
-`start_holder(...)` runs ``python -c HOLDER`` which forks the requested children (each may hold GPU
-memory), optionally an orphan (its intermediate parent exits so it is reparented away from the
-holder), allocates on its own GPUs, prints one JSON line with the pids and waits for signals.
-Used also by bench/bench_hygiene.py, so it does not depend on pytest. Test modules wrap
-`stop_holders` in a ``holders`` fixture.
+"""Real processes that hold simulated GPU memory (children, orphans, SIGTERM-ignorers), for the hygiene
+tests and bench/bench_hygiene.py (so no pytest here).
 """
 
 from __future__ import annotations

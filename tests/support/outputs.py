@@ -1,7 +1,5 @@
-"""Build datagen output directories by hand (pyarrow), in the layout tasks.shards documents.
-
-Used by the validation tests and bench/bench_validation.py so they do not depend on the inference code:
-OUT/_manifest.json, OUT/<dataset>/shard-NNNNN.parquet, OUT/_rejects/<dataset>.jsonl.
+"""Datagen output directories built by hand with pyarrow (manifest, shards, rejects), for the validation
+tests and bench/bench_validation.py, independent of the inference code.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A real Prefect server for the session: ``prefect server start`` on 127.0.0.1:<free port> with a
-temporary PREFECT_HOME (SQLite) and analytics off; stopped by pid (its process group) at the end.
-
-``prefect_server`` yields a ``PrefectServer`` with ``api_url``, ``home`` and ``env()`` (the
-environment for subprocesses: CLI, workers, `datagen`). In-process use goes through
-``prefect_api(prefect_server)`` (temporary settings), never a second harness.
+"""A real Prefect server for the session (``prefect server start`` on a free loopback port, SQLite under a
+temporary PREFECT_HOME, analytics off), stopped by pid at the end: the ``prefect_server`` fixture.
 """
 
 from __future__ import annotations

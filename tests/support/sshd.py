@@ -1,18 +1,9 @@
-"""A real OpenSSH server on a loopback port, for testing ssh:// and pct:// targets end to end.
+"""A real OpenSSH server on a loopback port, for ssh:// and pct:// targets end to end.
 
-`start_sshd(workdir, address="127.0.0.1", set_env=None)` generates an ed25519 host key and client
-key in ``workdir``, writes authorized_keys and a known_hosts line for ``[address]:port``, and runs
-``/usr/sbin/sshd -D -e -f /dev/null -o ...`` (absolute path required by sshd; as root it needs
-/run/sshd). ``set_env`` becomes sshd ``SetEnv`` lines: the environment of every session, as a
-host's own profile would be (used to put a `pct` stand-in on the "Proxmox host" PATH).
-
-Fixtures:
-  ``sshd_server`` (session): one server for 127.0.0.1 whose sessions find the `pct` stand-in
-  (``pct exec CTID -- cmd...`` runs cmd on this host and appends CTID to ``server.pct_log``).
-  ``ssh_env`` (function): DATAGEN_SSH_KEY / DATAGEN_SSH_KNOWN_HOSTS set for that server; returns it.
-
-Every sshd started here is stopped by pid in a finally. Needs openssh-server (`apt-get install -y
-openssh-server`); tests are skipped with that hint when /usr/sbin/sshd is missing.
+Fixtures: ``sshd_server`` (session; its sessions find a ``pct`` stand-in that runs the command on this
+host and logs the CTID), ``ssh_env`` (DATAGEN_SSH_KEY / DATAGEN_SSH_KNOWN_HOSTS set for it) and
+``remote`` (``ssh_env`` with remote commands pointed at the emulator and simulated GPUs). Needs
+openssh-server; tests are skipped with that hint when /usr/sbin/sshd is missing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""tasks.inference against the real emulator process: clean run, rejects, truncation, callbacks, refusals.
-
-"""
+"""tasks.inference against the real emulator process: clean run, rejects, truncation, callbacks, refusals."""
 
 from __future__ import annotations
 
