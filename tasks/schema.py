@@ -1,7 +1,5 @@
-"""The row schema of every committed shard (DESIGN.md "Output dataset").
-
-One definition shared by the writer (tasks.shards / tasks.inference), the validator (tasks.validation),
-resplit and export. Parquet files are written with zstd compression.
+"""The row schema of every committed shard (columns in the README, "Output layout and schema"), shared
+by the writer, the validator, resplit and export; Parquet files are written with zstd compression.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _manifest(out_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def wrong_split_output(tmp_path: Path) -> Path:
-    """A run that had no reasoning parser: the think block stayed inside content (the field report)."""
+    """A run that had no reasoning parser: the think block stayed inside content (the empty-reasoning bug)."""
     shard0 = [
         _row(0, "<think>\nplan A\n</think>\n\nanswer A", reasoning=None, content="<think>\nplan A\n</think>\n\nanswer A",
              parser=None),
