@@ -1,6 +1,7 @@
 """Recovery cost after a ``kill -9`` of the inference driver at a seeded random moment, against a live
-emulator (its load time excluded): rows regenerated (from the server's request counter), restart to
-first new row, and every input id exactly once after the rerun (else the benchmark fails).
+emulator (its load time excluded): rows regenerated (requests the server finished for the killed run
+that never reached the journal, plus rerun requests beyond the missing rows, from its request
+counter), restart to first new row, and every input id exactly once after the rerun (else it fails).
 
 Run alone: ``.venv/bin/python bench/bench_recovery.py [--quick]``.
 """

@@ -8,7 +8,8 @@ Checks, in report order (vectorised over Arrow; only ``resplit`` parses rows one
     fingerprint        one sampling, server, model and reasoning_parser value across the output
     reasoning_present  reasoning where a parser is set or the prompt opened the think block
     tag_leak           no think/channel tag of any parser family in content or reasoning
-    resplit            re-splitting raw gives the stored reasoning and content
+    resplit            re-splitting raw gives the stored reasoning and content (a sample); without a
+                       parser content == raw
     empty_content      no blank content among rows that finished with ``stop``
     truncation         rate of finish_reason "length"
     finish_reason      only stop/length/abort, and the rate of abort

@@ -1,5 +1,6 @@
 """End to end through Prefect: a real server, `datagen up` (pool, limits, `prefect deploy --all`,
-process worker), deployment runs of datagen/demo and their recovery paths."""
+process worker), deployment runs of datagen/demo and their recovery paths; and the pieces that talk to
+Prefect on their own: the tuner's Variable store and the validation artifacts of a flow run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Exactly-once resume against the real emulator: kill -9 of the run, server crash, torn journal, temp files."""
+"""Exactly-once against the real emulator: resume after kill -9 of the run or a server crash (torn journal,
+temp files), and a second concurrent run refused while the first completes unaffected."""
 
 from __future__ import annotations
 

@@ -73,8 +73,18 @@ def stop_sshd(proc: subprocess.Popen[bytes]) -> None:
 
 def start_sshd(workdir: Path, address: str = "127.0.0.1", set_env: dict[str, str] | None = None,
                deadline_s: float = 15.0) -> tuple[SshServer, subprocess.Popen[bytes]]:
-    """Start sshd on ``address``:<free port>; returns it once it accepts TCP connections.
-    Raises RuntimeError with the server log when it exits or does not listen in time."""
+    """Start sshd on ``address``:<free port> with fresh host and client keys; returns it once it
+    accepts TCP connections.
+
+    Args:
+        workdir: where keys, authorized_keys, known_hosts and the log go.
+        address: the loopback address to listen on.
+        set_env: sshd ``SetEnv`` lines, the environment of every session (as a host's profile would be).
+        deadline_s: how long to wait for it to listen.
+
+    Raises:
+        RuntimeError: sshd exited or did not listen in time (the message holds its log).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     host_key, client_key = workdir / "host_ed25519", workdir / "client_ed25519"
     _keygen(host_key)
