@@ -33,7 +33,7 @@ from tasks.targets import TargetError, TargetUnreachable
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="datagen clean-gpus", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="local", help="target: local, ssh://user@host[:port], pct://user@host/CTID")
-    p.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all)")
+    p.add_argument("--gpus", default=None, help="comma-separated GPU indices, or 'all' (default: all); an empty value is an error")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--threshold-mib", type=int, default=DEFAULT_THRESHOLD_MIB,
                    help="a GPU is clean at or under this many MiB used")

@@ -7,8 +7,9 @@ unless ``--include-truncated``. A summary goes to stderr.
 
 Exit codes:
   0  exported
-  2  usage error, not a datagen output, unknown dataset, a shard not matching its checksum, or the
-     output file cannot be written
+  2  usage error, not a datagen output, unknown dataset, a shard not matching its checksum, an
+     incomplete output without --allow-incomplete, --out inside OUT_DIR, or the output file cannot
+     be written
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 from datagen._cli import parse_args
-from tasks.export import FORMATS, ExportError, export
+from tasks.export import FORMATS, ExportError, check_export_target, export
 from tasks.shards import ShardsError
 
 
@@ -32,20 +33,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     parser.add_argument("--include-truncated", action="store_true",
                         help="also export rows whose finish_reason is length/abort")
+    parser.add_argument("--allow-incomplete", action="store_true",
+                        help="export the committed shards of an output whose run has not finished")
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
     try:
         if args.out is None:
             report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,
-                            include_truncated=args.include_truncated)
+                            include_truncated=args.include_truncated, allow_incomplete=args.allow_incomplete)
         else:
             target = Path(args.out)
+            check_export_target(args.out_dir, target)
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             try:
                 with open(tmp, "w", encoding="utf-8") as fh:
                     report = export(args.out_dir, args.format, fh, datasets=args.dataset,
-                                    include_truncated=args.include_truncated)
+                                    include_truncated=args.include_truncated,
+                                    allow_incomplete=args.allow_incomplete)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, target)
@@ -57,4 +62,6 @@ def main(argv: list[str]) -> int:
     where = args.out or "stdout"
     print(f"exported {report.rows} rows from {report.shards} shards as {args.format} to {where}"
           f" ({report.skipped_truncated} truncated/aborted rows left out)", file=sys.stderr)
+    for problem in report.incomplete:
+        print(f"datagen export: warning: incomplete output, {problem}", file=sys.stderr)
     return 0

@@ -29,11 +29,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     h = sub.add_parser("hold", help="hold memory on a GPU until killed")
     h.add_argument("--gpu", type=int, required=True)
-    h.add_argument("--mib", type=int, required=True)
+    h.add_argument("--mib", type=_non_negative, required=True)
     h.add_argument("--ignore-sigterm", action="store_true")
     h.add_argument("--children", type=int, default=0, help="fork K children (a process tree)")
-    h.add_argument("--child-mib", type=int, default=0, help="MiB each child holds on the same GPU")
+    h.add_argument("--child-mib", type=_non_negative, default=0, help="MiB each child holds on the same GPU")
     return p
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} MiB: memory held cannot be negative")
+    return value
 
 
 def _show(sim: SimGpus, as_json: bool) -> None:

@@ -9,7 +9,7 @@ import hashlib
 import io
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,7 +20,17 @@ from tasks.prompts import opens_think
 from tasks.reasoning import PARSERS, split_reasoning, tags_for
 from tasks.shards import OutputDir, ShardRecord
 
-__all__ = ["FORMATS", "ExportError", "ExportReport", "ResplitReport", "assistant_text", "export", "resplit"]
+__all__ = [
+    "FORMATS",
+    "ExportError",
+    "ExportReport",
+    "ResplitReport",
+    "assistant_text",
+    "check_export_target",
+    "export",
+    "missing_shards",
+    "resplit",
+]
 
 FORMATS = ("sharegpt", "openai-messages", "specforge")
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
@@ -37,8 +47,9 @@ class ExportReport:
     rows: int = 0
     skipped_truncated: int = 0
     shards: int = 0
+    incomplete: list[str] = field(default_factory=list)  # "<dataset>: 1 of 15 shards committed"
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -96,6 +107,35 @@ def _verified_shard(out: OutputDir, rec: ShardRecord) -> bytes:
             f"manifest {rec.sha256[:12]}...); run `datagen validate` on it"
         )
     return data
+
+
+def check_export_target(out_dir: str | Path, target: str | Path) -> None:
+    """Refuse an export file inside the output it reads: it could replace a committed shard or the manifest.
+
+    Raises:
+        ExportError: ``target`` (symlinks resolved) lies inside ``out_dir``.
+    """
+    out, dest = Path(out_dir).resolve(), Path(target).resolve()
+    if dest == out or out in dest.parents:
+        raise ExportError(f"--out {target}: inside the output directory {out_dir}, where it could overwrite "
+                          "committed data; write the export outside it")
+
+
+def missing_shards(out_dir: str | Path, datasets: list[str] | None = None) -> list[str]:
+    """Datasets of an output whose shards are not all committed, as ``"<dataset>: K of N shards committed"``
+    (``N`` is ``?`` while the input's length is not known yet). Empty for a complete output."""
+    manifest = OutputDir(out_dir).read_manifest() or {}
+    committed: dict[str, int] = {}
+    for rec in OutputDir(out_dir).committed_shards():
+        committed[rec.dataset] = committed.get(rec.dataset, 0) + 1
+    problems = []
+    for name, entry in sorted((manifest.get("datasets") or {}).items()):
+        if datasets and name not in datasets:
+            continue
+        total = entry.get("num_shards")
+        if total is None or committed.get(name, 0) < int(total):
+            problems.append(f"{name}: {committed.get(name, 0)} of {total if total is not None else '?'} shards committed")
+    return problems
 
 
 def _shards(out: OutputDir, datasets: list[str] | None) -> list[ShardRecord]:
@@ -172,18 +212,23 @@ def iter_export(
 
 def export(
     out_dir: str | Path, fmt: str, sink: IO[str], *, datasets: list[str] | None = None,
-    include_truncated: bool = False,
+    include_truncated: bool = False, allow_incomplete: bool = False,
 ) -> ExportReport:
     """Write the export JSONL to ``sink`` (a text stream); returns the counts.
 
     Args:
         out_dir, fmt, datasets, include_truncated: as :func:`iter_export`.
         sink: where the JSON lines go.
+        allow_incomplete: export the committed shards of an output whose run has not finished (the
+            report lists what is missing); otherwise such an output is refused before anything is written.
 
     Raises:
-        ValueError, ExportError: as :func:`iter_export`.
+        ValueError, ExportError: as :func:`iter_export`; ExportError for an incomplete output.
     """
-    report = ExportReport()
+    report = ExportReport(incomplete=missing_shards(out_dir, datasets) if fmt in FORMATS else [])
+    if report.incomplete and not allow_incomplete:
+        raise ExportError(f"{out_dir}: output incomplete ({'; '.join(report.incomplete)}); finish the run "
+                          "(datagen run) or pass --allow-incomplete to export what is committed")
     for record in iter_export(out_dir, fmt, datasets=datasets, include_truncated=include_truncated, report=report):
         sink.write(json.dumps(record, ensure_ascii=False) + "\n")
     return report
@@ -214,7 +259,10 @@ def resplit(out_dir: str | Path, parser: str, *, dry_run: bool = False) -> Respl
     out = OutputDir(out_dir)
     report = ResplitReport(parser=parser)
     with out.lock({"command": f"datagen resplit --parser {parser}"}):
-        for rec in _shards(out, None):
+        records = _shards(out, None)
+        for rec in records:  # every shard checked before any is rewritten: all or nothing
+            _verified_shard(out, rec)
+        for rec in records:
             table = pq.read_table(io.BytesIO(_verified_shard(out, rec)))
             report.shards += 1
             report.rows += table.num_rows

@@ -178,15 +178,26 @@ def _short(cmdline: str, width: int = 80) -> str:
 
 
 def parse_gpu_list(value: str | list[int] | tuple[int, ...] | None) -> list[int] | None:
-    """``"0,1"`` or ``[0, 1]`` -> ``[0, 1]``; None/"" -> None (all GPUs). Raises ValueError."""
+    """``"0,1"`` or ``[0, 1]`` -> ``[0, 1]``; None or ``"all"`` -> None (every GPU).
+
+    An empty selection is refused: an unset shell variable (``--gpus "$GPUS"``) must not widen a
+    cleanup to every GPU of the host, so "all" has to be said.
+
+    Raises:
+        ValueError: an empty selection, or an item that is not a GPU index.
+    """
     if value is None:
         return None
     if isinstance(value, str):
-        if not value.strip() or value.strip() == "all":
+        if value.strip() == "all":
             return None
+        if not value.strip():
+            raise ValueError("empty GPU list: name the GPUs (e.g. 0,1) or say 'all'")
         items: list[Any] = [v.strip() for v in value.split(",")]
     else:
         items = list(value)
+        if not items:
+            raise ValueError("empty GPU list: name the GPUs (e.g. [0, 1]) or pass None for every GPU")
     out: list[int] = []
     for item in items:
         if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str) and item.isdigit())):

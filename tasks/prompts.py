@@ -158,6 +158,8 @@ def _iter_jsonl(path: Path, dataset: str) -> Iterator[tuple[int, Any, str]]:
                 raw = data.decode("utf-8", "replace")[:RAW_LIMIT_CHARS]
                 yield line, Reject(dataset, line, f"invalid UTF-8: {exc}", raw), raw
                 continue
+            if line == 1:
+                text = text.removeprefix("\ufeff")  # a byte-order mark that editors on Windows write
             if not text.strip():
                 continue
             try:

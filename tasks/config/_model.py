@@ -110,7 +110,7 @@ class PartitionConfig:
                 p = Path(raw).expanduser().resolve()
                 if not p.is_file():
                     raise ConfigError(f"{where}: --input {raw}: no such file")
-                name = p.name.split(".")[0]
+                name = dataset_name_of(p)
                 if name in datasets:
                     raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
                 datasets[name] = p
@@ -188,3 +188,15 @@ def check_model(cfg: PartitionConfig, where: str) -> None:
         if not Path(cfg.model_path, "config.json").is_file():
             raise ConfigError(f"{where}: model.path: {cfg.model_path} has no config.json")
 
+
+_DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
+
+
+def dataset_name_of(path: Path) -> str:
+    """The dataset name of an ``--input`` file: its name without the data suffix
+    (``my.data.v2.jsonl`` -> ``my.data.v2``)."""
+    name = path.name
+    for suffix in _DATA_SUFFIXES:
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return path.stem or name

@@ -407,9 +407,11 @@ def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int) -
         raise ServerGone(f"/generate answered 200 with a body that is not JSON: {payload[:200]!r}") from exc
     if isinstance(data, list) and len(data) == 1:
         data = data[0]
-    if not isinstance(data, dict) or "text" not in data:
-        raise ServerGone(f"/generate answered 200 without `text`: {str(data)[:200]}")
+    if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+        raise ServerGone(f"/generate answered 200 without a `text` string: {str(data)[:200]}")
     meta = data.get("meta_info") or {}
+    if not isinstance(meta, dict):
+        raise ServerGone(f"/generate answered 200 with a `meta_info` that is not an object: {str(meta)[:200]}")
     fr = meta.get("finish_reason")
     detail: dict[str, Any]
     if isinstance(fr, dict):
@@ -420,15 +422,22 @@ def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int) -
         detail = {"type": "abort", "message": "no finish_reason in meta_info"}
     return GenerateResult(
         rid=rid,
-        text=str(data["text"]),
+        text=data["text"],
         finish_reason=str(detail.get("type", "abort")),
         finish_detail=detail,
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        completion_tokens=int(meta.get("completion_tokens") or 0),
+        prompt_tokens=_token_count(meta, "prompt_tokens"),
+        completion_tokens=_token_count(meta, "completion_tokens"),
         meta_info=meta,
         latency_s=latency_s,
         attempts=attempts,
     )
+
+
+def _token_count(meta: dict[str, Any], key: str) -> int:
+    value = meta.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ServerGone(f"/generate answered 200 with meta_info.{key} = {value!r}, not a token count")
+    return value
 
 
 def _is_refused(exc: BaseException) -> bool:

@@ -220,6 +220,29 @@ def _dataset_complete(name: str, entry: Mapping[str, Any], shards: list[ShardVal
                  f"{committed} of {num_shards} shards, {rows} rows + {rejects} rejects", committed, rows)
 
 
+def _volume_check(name: str, entry: Mapping[str, Any], shards: list[ShardValidation], thr: Thresholds) -> Check:
+    """Enough rows, and not too many input rows rejected: an empty input, a file of blank lines or an
+    input whose every row was rejected (a wrong schema) is a failed run, not a passing empty one."""
+    rows = sum(s.rows for s in shards)
+    rejects = sum(int(((entry.get("shards") or {}).get(str(s.shard_index)) or {}).get("rejects") or 0)
+                  for s in shards)
+    seen = rows + rejects
+    rate = rejects / seen if seen else 0.0
+    where = f"{name}: {rows} rows, {rejects} input rows rejected"
+    if rows < thr.min_rows:
+        return Check("volume", "fail", rows, thr.min_rows,
+                     f"{where}, below min_rows {thr.min_rows}; check the input (an empty file, or rows "
+                     f"without messages/prompt: see _rejects/{name}.jsonl for the reasons)", rejects, seen)
+    if rate > thr.reject_max_rate:
+        return Check("volume", "fail", rate, thr.reject_max_rate,
+                     f"{where} ({rate:.1%}), above reject_max_rate {thr.reject_max_rate:.1%}; the reasons are "
+                     f"in _rejects/{name}.jsonl", rejects, seen)
+    if rate > thr.reject_warn_rate:
+        return Check("volume", "warn", rate, thr.reject_warn_rate,
+                     f"{where} ({rate:.1%}), above reject_warn_rate {thr.reject_warn_rate:.1%}", rejects, seen)
+    return Check("volume", "pass", rate, thr.reject_max_rate, f"{where} ({rate:.1%})", rejects, seen)
+
+
 def _dataset_totals(name: str, entry: Mapping[str, Any], shards: list[ShardValidation],
                     ids: list[pa.ChunkedArray], thr: Thresholds, out_dir: Path) -> list[Check]:
     ctx = Context(dataset=name, out_dir=str(out_dir))
@@ -234,6 +257,7 @@ def _dataset_totals(name: str, entry: Mapping[str, Any], shards: list[ShardValid
         stats = {"rows": sum(len(a) for a in ids), "duplicates": extra, "examples": examples}
         checks = [judge_unique(stats, ctx, thr) if c.name == "unique_ids" else c for c in checks]
     checks.insert(1 if checks else 0, _dataset_complete(name, entry, shards))
+    checks.insert(2 if len(checks) > 1 else 1, _volume_check(name, entry, shards, thr))
     return checks
 
 

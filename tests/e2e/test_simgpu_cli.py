@@ -103,3 +103,14 @@ def test_nvidia_smi_without_driver(tmp_path: Path) -> None:
 def test_hold_that_does_not_fit(sim_gpus: SimGpus) -> None:
     r = _datagen("gpu-sim", "hold", "--gpu", "0", "--mib", "200000")
     assert r.returncode == 2 and "cannot allocate 200000 MiB" in r.stderr
+
+
+def test_hold_refuses_negative_memory(tmp_path: Path) -> None:
+    env = dict(os.environ, DATAGEN_SIM_GPUS=str(tmp_path / "g.json"))
+    assert _datagen("gpu-sim", "init", "--count", "1", env=env).returncode == 0
+    for flag in ("--mib", "--child-mib"):
+        args = ["gpu-sim", "hold", "--gpu", "0", "--mib", "5"] if flag == "--child-mib" else ["gpu-sim", "hold", "--gpu", "0"]
+        r = _datagen(*args, flag, "-5", env=env)
+        assert r.returncode == 2 and "-5 MiB: memory held cannot be negative" in r.stderr, r.stderr
+    snap = json.loads(_datagen("gpu-sim", "show", "--json", env=env).stdout)
+    assert snap["gpus"][0]["processes"] == []

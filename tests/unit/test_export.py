@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.export import ExportError, assistant_text, iter_export, resplit
+from tasks.export import ExportError, assistant_text, iter_export, missing_shards, resplit
 from tasks.shards import OutputDir, OutputLocked
 
 PROMPT_PLAIN = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
@@ -52,6 +52,7 @@ def _output(tmp_path: Path, shards: list[list[dict[str, Any]]]) -> Path:
         out.open_dataset("ds", input_path="in.jsonl", input_fingerprint="abc", shard_size=3)
         for k, rows in enumerate(shards):
             out.commit_shard("ds", k, rows)
+        out.set_dataset_totals("ds", 3 * (len(shards) - 1) + len(shards[-1]))  # shard_size 3: complete
     return out_dir
 
 
@@ -202,3 +203,48 @@ def test_cli_export_and_resplit(good_output: Path, wrong_split_output: Path, tmp
     with OutputDir(wrong_split_output).lock({"flow_run": "run-42"}):
         proc = _datagen("resplit", str(wrong_split_output), "--parser", "qwen3")
     assert proc.returncode == 2 and "run-42" in proc.stderr, proc.stderr
+
+
+def test_export_refuses_a_target_inside_the_output(good_output: Path) -> None:
+    shard = good_output / "ds" / "shard-00000.parquet"
+    before = {p: p.read_bytes() for p in (shard, good_output / "_manifest.json")}
+    for target in (shard, good_output / "_manifest.json", good_output / "new.jsonl"):
+        proc = _datagen("export", str(good_output), "--format", "sharegpt", "--out", str(target))
+        assert proc.returncode == 2
+        assert f"--out {target}: inside the output directory {good_output}" in proc.stderr
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (good_output / "new.jsonl").exists()
+    # a symlink elsewhere that points into OUT is refused too
+    link = good_output.parent / "alias"
+    link.symlink_to(good_output)
+    proc = _datagen("export", str(good_output), "--format", "sharegpt", "--out", str(link / "x.jsonl"))
+    assert proc.returncode == 2 and "inside the output directory" in proc.stderr
+
+
+def test_export_of_an_incomplete_output_is_refused_unless_allowed(tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    out = OutputDir(out_dir)
+    with out.lock({"flow_run": "test"}):
+        out.open_dataset("ds", input_path="in.jsonl", input_fingerprint="abc", shard_size=3)
+        out.commit_shard("ds", 0, [_row(i, f"a{i}", reasoning=None, content=f"a{i}", parser=None) for i in range(3)])
+        out.set_dataset_totals("ds", 45)
+    assert missing_shards(out_dir) == ["ds: 1 of 15 shards committed"]
+    target = tmp_path / "train.jsonl"
+    proc = _datagen("export", str(out_dir), "--format", "sharegpt", "--out", str(target))
+    assert proc.returncode == 2
+    assert "output incomplete (ds: 1 of 15 shards committed)" in proc.stderr and "--allow-incomplete" in proc.stderr
+    assert not target.exists()
+    proc = _datagen("export", str(out_dir), "--format", "sharegpt", "--out", str(target), "--allow-incomplete")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: incomplete output, ds: 1 of 15 shards committed" in proc.stderr
+    assert [json.loads(x)["id"] for x in target.read_text().splitlines()] == ["r0", "r1", "r2"]
+
+
+def test_resplit_with_a_damaged_shard_changes_nothing(wrong_split_output: Path) -> None:
+    damaged = wrong_split_output / "ds" / "shard-00001.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:-7] + b"garbage")
+    shard0 = wrong_split_output / "ds" / "shard-00000.parquet"
+    before = (shard0.read_bytes(), (wrong_split_output / "_manifest.json").read_bytes())
+    proc = _datagen("resplit", str(wrong_split_output), "--parser", "qwen3")
+    assert proc.returncode == 2 and "shard-00001.parquet does not match the manifest" in proc.stderr
+    assert (shard0.read_bytes(), (wrong_split_output / "_manifest.json").read_bytes()) == before

@@ -270,3 +270,16 @@ def test_gpu_sim_hold_tree_ignoring_sigterm(sim_gpus, reap_pids):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_empty_gpu_list_is_refused_and_nothing_is_killed(sim_gpus, holders, capsys):
+    h = start_holder((1,), 512)
+    holders.append(h)
+    for value in ("", " ", ","):
+        assert clean_main(["--gpus", value, "--grace", "0.2", "--deadline", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "empty GPU list" in err or "not a GPU index" in err, err
+    assert alive(h.pid)
+    with pytest.raises(ValueError, match="empty GPU list"):
+        clean_gpus(gpus=[])
+    assert alive(h.pid)

@@ -222,3 +222,11 @@ def test_named_templates_and_missing(tmp_path: Path) -> None:
     assert ChatTemplate.from_model_dir(empty).render([]) == "JTrue"
     with pytest.raises(TemplateError, match="does not compile"):
         ChatTemplate("{% for %}", origin="bad")
+
+
+def test_byte_order_mark_on_line_one_is_not_a_reject(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    body = '{"id": "a", "messages": [{"role": "user", "content": "Q"}]}\n{"id": "b", "prompt": "P"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    rows = list(iter_dataset(path, "bom"))
+    assert [(type(r).__name__, r.id, r.line) for r in rows] == [("InputRow", "a", 1), ("InputRow", "b", 2)]

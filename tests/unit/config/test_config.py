@@ -9,6 +9,7 @@ import pytest
 
 import tasks.config
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
+from tasks.config._model import dataset_name_of
 
 ROOT = project_root()
 
@@ -142,3 +143,10 @@ def test_max_relaunches_documented_as_one_budget_per_run() -> None:
         (line,) = [ln for ln in f.read_text().splitlines() if ln.startswith("max_relaunches")]
         assert "# server relaunches per run: one budget shared by all datasets" in line, f.name
         assert load_partition(f.stem).max_relaunches == 3
+
+
+def test_dataset_name_of_an_input_keeps_its_dots() -> None:
+    assert dataset_name_of(Path("/x/my.data.v2.jsonl")) == "my.data.v2"
+    assert dataset_name_of(Path("glaive.PARQUET")) == "glaive"
+    assert dataset_name_of(Path("plain.ndjson")) == "plain"
+    assert dataset_name_of(Path("notes.txt")) == "notes"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import threading
 import time
 
 import pytest
@@ -128,3 +130,45 @@ def test_server_alive_check_short_cuts_retries_only_for_a_dead_process():
         errs, stats, _ = _run(go(check))
         assert all(isinstance(e, ServerGone) and "failed 4 times" in str(e) for e in errs)
         assert stats.requests == 32 and calls.count(name) >= 1
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b'{"text": null, "meta_info": {"finish_reason": {"type": "stop"}}}', "without a `text` string"),
+    (b'{"text": 42, "meta_info": {}}', "without a `text` string"),
+    (b'{"text": "ok", "meta_info": ["not", "an", "object"]}', "`meta_info` that is not an object"),
+    (b'{"text": "ok", "meta_info": {"finish_reason": "stop", "completion_tokens": "many"}}',
+     "meta_info.completion_tokens = 'many', not a token count"),
+    (b'{"text": "ok", "meta_info": {"finish_reason": "stop", "prompt_tokens": -3}}',
+     "meta_info.prompt_tokens = -3, not a token count"),
+])
+def test_malformed_answers_are_named_never_stored(body, fragment):
+    """A 200 whose JSON is not what SGLang sends is a clear ServerGone, never a row holding "None"."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        async def go():
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            async with GenerateClient(url, ClientConfig(max_attempts=2, **FAST)) as c:
+                with pytest.raises(ServerGone) as e:
+                    await c.generate(PROMPT, {}, rid="x")
+                return e.value
+
+        err = _run(go())
+        assert fragment in str(err)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

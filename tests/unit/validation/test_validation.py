@@ -56,7 +56,7 @@ def test_clean_output_passes_and_writes_report(tmp_path):
     assert sorted(doc["datasets"]["glaive"]["shards"]) == ["0", "1", "2"]
     assert {c["name"] for c in doc["datasets"]["glaive"]["total"]} == {
         "schema", "complete", "unique_ids", "fingerprint", "reasoning_present", "tag_leak", "resplit",
-        "empty_content", "truncation", "finish_reason", "token_counts"}
+        "empty_content", "truncation", "finish_reason", "token_counts", "volume"}
     assert doc["samples"][0]["id"] == "glaive-000000"
     assert "PASS (120 rows" in report.summary()
 
@@ -434,7 +434,7 @@ def test_output_with_no_shard_and_unknown_total_fails(tmp_path):
                        total_rows={"glaive": None}, num_shards={"glaive": None})
     report = validate_output(out)
     assert report.verdict == "fail" and report.rows == 0
-    assert failing(total(report).values()) == ["complete"]
+    assert failing(total(report).values()) == ["complete", "volume"]
     assert cmd_validate.main([str(out)]) == 1
 
 
@@ -475,3 +475,22 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
     assert committed == [0]
     assert err.value.message.startswith("<think> left in content of 100% of 12 rows of shard 0 of glaive")
     assert failing(err.value.report.checks) == ["tag_leak"]
+
+
+@pytest.mark.parametrize("rows, rejects, status, fragment", [
+    (0, 0, "fail", "glaive: 0 rows, 0 input rows rejected, below min_rows 1"),
+    (0, 30, "fail", "glaive: 0 rows, 30 input rows rejected, below min_rows 1"),
+    (20, 10, "fail", "(33.3%), above reject_max_rate 20.0%"),
+    (27, 3, "warn", "(10.0%), above reject_warn_rate 5.0%"),
+    (30, 0, "pass", "glaive: 30 rows, 0 input rows rejected (0.0%)"),
+])
+def test_volume_gate_empty_or_mostly_rejected_input_fails(tmp_path, rows, rejects, status, fragment):
+    out = write_output(tmp_path / "out", {"glaive": [clean_rows("glaive", rows, 0)]}, shard_size=30,
+                       rejects={"glaive": {0: rejects}} if rejects else None,
+                       total_rows={"glaive": rows + rejects})
+    report = validate_output(out)
+    check = total(report)["volume"]
+    assert check.status == status and fragment in check.message, check.message
+    if status == "fail":
+        assert report.verdict == "fail"
+    assert Thresholds.from_dict({"min_rows": 0, "reject_max_rate": 1.0}).min_rows == 0
