@@ -32,12 +32,13 @@ import psutil
 
 from datagen._cli import parse_args
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
+from tasks.errors import DatagenError
 
 POOL = "gpu"
 DEFAULT_PORT = 4200
 
 
-class UpError(RuntimeError):
+class UpError(DatagenError, RuntimeError):
     """A step of `datagen up` failed; the message names the step and carries the log tail."""
 
 
