@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-from datagen._cli import parse_args
-from tasks.export import FORMATS, ExportError, export
-from tasks.shards import ShardsError
+from datagen._cli import EXIT_OK, parse_args, reports_errors
+from tasks.export import FORMATS, export
 
 
+@reports_errors("datagen export")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen export", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,26 +35,22 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    try:
-        if args.out is None:
-            report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,
-                            include_truncated=args.include_truncated)
-        else:
-            target = Path(args.out)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    report = export(args.out_dir, args.format, fh, datasets=args.dataset,
-                                    include_truncated=args.include_truncated)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-    except (ValueError, ExportError, ShardsError, OSError) as exc:
-        print(f"datagen export: {exc}", file=sys.stderr)
-        return 2
+    if args.out is None:
+        report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,
+                        include_truncated=args.include_truncated)
+    else:
+        target = Path(args.out)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                report = export(args.out_dir, args.format, fh, datasets=args.dataset,
+                                include_truncated=args.include_truncated)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     where = args.out or "stdout"
     print(f"exported {report.rows} rows from {report.shards} shards as {args.format} to {where}"
           f" ({report.skipped_truncated} truncated/aborted rows left out)", file=sys.stderr)
-    return 0
+    return EXIT_OK
