@@ -208,7 +208,8 @@ class LaunchFailed(ServerError):
     """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure)."""
 
     # Kinds a relaunch with the same config cannot fix; every other kind (a memory fraction to move,
-    # a taken port, a timeout) may succeed on the next attempt.
+    # a taken port, a timeout) may succeed on the next attempt. Decided per instance, hence a
+    # property where DatagenError has a class attribute.
     PERMANENT_KINDS: frozenset[str] = frozenset({"bad_flag", "model_not_found", "host_memory"})
 
     @property
