@@ -25,7 +25,9 @@ from tasks.shards import ShardsError
 from tasks.targets import TargetError, TargetUnreachable
 from tasks.validation import BadOutput, ThresholdError
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "exit_code_for", "parse_args", "reports_errors"]
+__all__ = [
+    "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "exit_code_for", "exit_codes", "parse_args", "reports_errors",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -71,6 +73,19 @@ def reports_errors(prog: str) -> Callable[[Callable[P, int]], Callable[P, int]]:
         return run
 
     return decorate
+
+
+def exit_codes(doc: str | None) -> str:
+    """The "Exit codes" paragraph of a command module's docstring: its ``--help`` epilog (use it with
+    ``argparse.RawDescriptionHelpFormatter``).
+
+    Raises:
+        ValueError: the docstring has no such paragraph.
+    """
+    for paragraph in (doc or "").split("\n\n"):
+        if paragraph.startswith("Exit codes"):
+            return paragraph.strip()
+    raise ValueError("the docstring has no 'Exit codes' paragraph")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:

@@ -3,8 +3,7 @@
 Each subcommand lives in its own module (``datagen.cmd_<name>``) exposing ``main(argv) -> int``;
 it is imported only when called, so `datagen emulator` and `datagen gpu-sim` start fast.
 
-Exit codes (shared by every subcommand; datagen._cli maps errors to them, and each command's
-module says what its 1 and 2 mean):
+Exit codes (shared by every subcommand; `datagen COMMAND --help` says what its 1 and 2 mean):
   0  success
   1  the operation ran and failed, or its verdict is negative (GPUs not clean, validation failed,
      run failed)
@@ -40,7 +39,9 @@ def _usage() -> str:
     for name, (_, help_text) in COMMANDS.items():
         lines.append(f"  {name:<{width}}  {help_text}")
     lines.append("")
-    lines.append("`datagen COMMAND --help` for a command's options.")
+    lines.append("`datagen COMMAND --help` for a command's options and exit codes.")
+    lines.append("")
+    lines.append(__doc__[__doc__.index("Exit codes"):].strip())
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, parse_args, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.hygiene import (
     DEFAULT_DEADLINE_S,
     DEFAULT_GRACE_S,
@@ -30,7 +30,8 @@ from tasks.hygiene import (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="datagen clean-gpus", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="datagen clean-gpus", description=__doc__.split("\n\n")[0],
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="local", help="target: local, ssh://user@host[:port], pct://user@host/CTID")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")

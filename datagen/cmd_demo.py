@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from datagen._cli import EXIT_OK, exit_code_for, parse_args, reports_errors
+from datagen._cli import EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
 from datagen.cmd_run import failure_label, run_flow, ui_url
 from tasks.config import ConfigError, load_partition
 from tasks.shards import OutputDir, OutputLocked
@@ -29,7 +29,8 @@ from tasks.shards import OutputDir, OutputLocked
 
 @reports_errors("datagen demo")
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="datagen demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="datagen demo", description=__doc__.split("\n\n")[0],
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="output directory (default: the demo partition's, data/out/demo)")
     p.add_argument("--resume", action="store_true", help="keep and resume the previous demo output")
     args = parse_args(p, argv)

@@ -18,14 +18,14 @@ import os
 import sys
 from pathlib import Path
 
-from datagen._cli import EXIT_OK, parse_args, reports_errors
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.export import FORMATS, export
 
 
 @reports_errors("datagen export")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen export", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")

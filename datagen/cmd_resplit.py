@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from datagen._cli import EXIT_OK, parse_args, reports_errors
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.export import resplit
 from tasks.reasoning import PARSERS
 
@@ -24,7 +24,7 @@ from tasks.reasoning import PARSERS
 @reports_errors("datagen resplit")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen resplit", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--parser", required=True, metavar="NAME",
                         help=f"SGLang reasoning parser: {', '.join(PARSERS)}")

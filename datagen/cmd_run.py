@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, parse_args, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
@@ -71,7 +71,8 @@ def ui_url() -> str | None:
 
 
 def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.")
+    p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.", epilog=exit_codes(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partition", default="all", help="partition name in deployments/ or a .toml path (default: all)")
     p.add_argument("--input", dest="inputs", action="append", metavar="PATH",
                    help="ad-hoc dataset file (JSONL or Parquet); repeatable; replaces the partition's datasets")

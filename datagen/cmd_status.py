@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from datagen._cli import EXIT_OK, parse_args, reports_errors
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.server import list_remembered
 from tasks.shards import OutputDir
 
@@ -81,7 +81,8 @@ def render(doc: dict[str, Any]) -> str:
 
 @reports_errors("datagen status")
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.")
+    p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.",
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--json", action="store_true")
     args = parse_args(p, argv)

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from datagen._cli import EXIT_OK, EXIT_USAGE, parse_args, reports_errors
+from datagen._cli import EXIT_OK, EXIT_USAGE, exit_codes, parse_args, reports_errors
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
         print("usage: datagen up|down [options]", file=sys.stderr)
         return EXIT_USAGE
     cmd, rest = argv[0], argv[1:]
-    parser = argparse.ArgumentParser(prog=f"datagen {cmd}")
+    parser = argparse.ArgumentParser(prog=f"datagen {cmd}", epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", help="where pid files and logs go (default <project>/.run)")
     if cmd == "up":
         parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, parse_args, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.validation import ThresholdError, Thresholds, validate_output
 
 
@@ -33,7 +33,7 @@ def _parse_threshold(text: str) -> tuple[str, object]:
 @reports_errors("datagen validate")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen validate", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
+from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
@@ -157,6 +158,15 @@ def test_reports_errors_prints_the_message_and_returns_the_code(capsys: pytest.C
     assert capsys.readouterr().err.startswith("datagen x: output /out is being written by another run (host=h, pid=7)")
     assert gone([]) == 1
     assert capsys.readouterr().err == "datagen x: the server stopped answering\n"
+
+
+@pytest.mark.parametrize("name", [n for n, (module, _) in COMMANDS.items() if module.startswith("datagen.")])
+def test_every_command_documents_its_exit_codes_in_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(COMMANDS[name][0])
+    argv = [name, "--help"] if name in ("up", "down") else ["--help"]
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\nExit codes" in out and exit_codes(module.__doc__) in out, out
 
 
 def test_reports_errors_lets_a_bug_keep_its_traceback() -> None:
