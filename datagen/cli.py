@@ -3,16 +3,20 @@
 Each subcommand lives in its own module (``datagen.cmd_<name>``) exposing ``main(argv) -> int``;
 it is imported only when called, so `datagen emulator` and `datagen gpu-sim` start fast.
 
-Exit codes (shared by every subcommand unless its module says otherwise):
+Exit codes (shared by every subcommand; `datagen COMMAND --help` says what its 1 and 2 mean):
   0  success
-  1  the operation ran and its verdict is negative (GPUs not clean, validation failed, run failed)
-  2  usage, configuration or connection error
+  1  the operation ran and failed, or its verdict is negative (GPUs not clean, validation failed,
+     run failed)
+  2  usage, configuration or connection error, an unusable input or output, or a locked output
+     (the caller must change something first); also an unknown command
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from datagen import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("datagen.cmd_run", "run the pipeline now (partition config or ad-hoc --input)"),
@@ -35,7 +39,9 @@ def _usage() -> str:
     for name, (_, help_text) in COMMANDS.items():
         lines.append(f"  {name:<{width}}  {help_text}")
     lines.append("")
-    lines.append("`datagen COMMAND --help` for a command's options.")
+    lines.append("`datagen COMMAND --help` for a command's options and exit codes.")
+    lines.append("")
+    lines.append(__doc__[__doc__.index("Exit codes"):].strip())
     return "\n".join(lines)
 
 
@@ -45,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from datagen import __version__
-
         print(f"datagen {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

@@ -19,19 +19,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.hygiene import (
     DEFAULT_DEADLINE_S,
     DEFAULT_GRACE_S,
     DEFAULT_THRESHOLD_MIB,
-    ProbeFailed,
     clean_gpus,
     parse_gpu_list,
 )
-from tasks.targets import TargetError, TargetUnreachable
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="datagen clean-gpus", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="datagen clean-gpus", description=__doc__.split("\n\n")[0],
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="local", help="target: local, ssh://user@host[:port], pct://user@host/CTID")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices, or 'all' (default: all); an empty value is an error")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
@@ -45,22 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@reports_errors("datagen clean-gpus")
 def main(argv: list[str]) -> int:
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse: --help is 0, a usage error 2
-        return int(exc.code or 0)
-    try:
-        gpus = parse_gpu_list(args.gpus)
-        report = clean_gpus(
-            args.host, gpus, grace_s=args.grace, threshold_mib=args.threshold_mib,
-            deadline_s=args.deadline, dry_run=args.dry_run, include_other_users=args.all_users,
-        )
-    except (TargetError, TargetUnreachable, ProbeFailed, ValueError) as exc:
-        print(f"datagen clean-gpus: {exc}", file=sys.stderr)
-        return 2
+    args = parse_args(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    report = clean_gpus(
+        args.host, parse_gpu_list(args.gpus), grace_s=args.grace, threshold_mib=args.threshold_mib,
+        deadline_s=args.deadline, dry_run=args.dry_run, include_other_users=args.all_users,
+    )
     print(report.to_json() if args.json else report.summary())
-    return 0 if report.clean else 1
+    return EXIT_OK if report.clean else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ when a Prefect server is up (`datagen up`), the UI link. The previous demo outpu
 unless ``--resume``. Simulated GPUs are created under the output directory when
 ``DATAGEN_SIM_GPUS`` is unset.
 
-Exit codes: 0 the demo completed and validated; 1 it failed; 2 usage or configuration error.
+Exit codes: 0 the demo completed and validated; 1 it failed; 2 usage or configuration error, or
+another demo is writing the output (as `datagen run`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-from datagen._cli import parse_args
-from datagen.cmd_run import run_flow, ui_url
+from datagen._cli import EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
+from datagen.cmd_run import failure_label, run_flow, ui_url
 from tasks.config import ConfigError, load_partition
 from tasks.shards import OutputDir, OutputLocked
 
 
+@reports_errors("datagen demo")
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="datagen demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="datagen demo", description=__doc__.split("\n\n")[0],
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="output directory (default: the demo partition's, data/out/demo)")
     p.add_argument("--resume", action="store_true", help="keep and resume the previous demo output")
     args = parse_args(p, argv)
@@ -36,22 +39,22 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_partition("demo")
     except ConfigError as exc:
-        print(f"datagen demo: configuration error: {exc}", file=sys.stderr)
-        return 2
+        print(f"datagen demo: {failure_label(exc, 'failed')}: {exc}", file=sys.stderr)
+        return exit_code_for(exc)
     out = Path(args.out).resolve() if args.out else cfg.output_root
     holder = OutputDir(out).lock_holder() if out.exists() else None
     if holder is not None:  # another demo is writing there: leave its output alone
-        print(f"datagen demo: refused: {OutputLocked(out / '_lock', holder)}", file=sys.stderr)
-        return 2
+        locked = OutputLocked(out / "_lock", holder)
+        print(f"datagen demo: {failure_label(locked, 'failed')}: {locked}", file=sys.stderr)
+        return exit_code_for(locked)
     if not args.resume and (out / "_manifest.json").exists():
         shutil.rmtree(out)  # only ever a previous demo output (it has a datagen manifest)
     t0 = time.monotonic()
     print(f"datagen demo: {len(cfg.datasets)} datasets -> {out} (emulator, simulated GPUs)", flush=True)
     code, result = run_flow("demo", {"out": str(out), "backend": "emulator"})
     elapsed = time.monotonic() - t0
-    if code != 0:
-        what = "refused" if isinstance(result, OutputLocked) else "configuration error" if code == 2 else "failed"
-        print(f"datagen demo: {what}: {result}", file=sys.stderr)
+    if code != EXIT_OK:
+        print(f"datagen demo: {failure_label(result, 'failed')}: {result}", file=sys.stderr)
         print(f"elapsed: {elapsed:.1f} s", file=sys.stderr)
         return code
     manifest = json.loads((out / "_manifest.json").read_text())
@@ -68,4 +71,4 @@ def main(argv: list[str]) -> int:
     ui = ui_url()
     if ui:
         print(f"Prefect UI: {ui}")
-    return 0
+    return EXIT_OK

@@ -19,14 +19,14 @@ import os
 import sys
 from pathlib import Path
 
-from datagen._cli import parse_args
-from tasks.export import FORMATS, ExportError, check_export_target, export
-from tasks.shards import ShardsError
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
+from tasks.export import FORMATS, check_export_target, export
 
 
+@reports_errors("datagen export")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen export", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")
@@ -38,30 +38,26 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    try:
-        if args.out is None:
-            report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,
-                            include_truncated=args.include_truncated, allow_incomplete=args.allow_incomplete)
-        else:
-            target = Path(args.out)
-            check_export_target(args.out_dir, target)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    report = export(args.out_dir, args.format, fh, datasets=args.dataset,
-                                    include_truncated=args.include_truncated,
-                                    allow_incomplete=args.allow_incomplete)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-    except (ValueError, ExportError, ShardsError, OSError) as exc:
-        print(f"datagen export: {exc}", file=sys.stderr)
-        return 2
+    if args.out is None:
+        report = export(args.out_dir, args.format, sys.stdout, datasets=args.dataset,
+                        include_truncated=args.include_truncated, allow_incomplete=args.allow_incomplete)
+    else:
+        target = Path(args.out)
+        check_export_target(args.out_dir, target)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                report = export(args.out_dir, args.format, fh, datasets=args.dataset,
+                                include_truncated=args.include_truncated,
+                                allow_incomplete=args.allow_incomplete)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     where = args.out or "stdout"
     print(f"exported {report.rows} rows from {report.shards} shards as {args.format} to {where}"
           f" ({report.skipped_truncated} truncated/aborted rows left out)", file=sys.stderr)
     for problem in report.incomplete:
         print(f"datagen export: warning: incomplete output, {problem}", file=sys.stderr)
-    return 0
+    return EXIT_OK

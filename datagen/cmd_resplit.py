@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from datagen._cli import parse_args
-from tasks.export import ExportError, resplit
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
+from tasks.export import resplit
 from tasks.reasoning import PARSERS
-from tasks.shards import ShardsError
 
 
+@reports_errors("datagen resplit")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen resplit", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--parser", required=True, metavar="NAME",
                         help=f"SGLang reasoning parser: {', '.join(PARSERS)}")
@@ -34,15 +33,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    try:
-        report = resplit(args.out_dir, args.parser, dry_run=args.dry_run)
-    except (ValueError, ExportError, ShardsError, OSError) as exc:
-        print(f"datagen resplit: {exc}", file=sys.stderr)
-        return 2
+    report = resplit(args.out_dir, args.parser, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         verb = "would rewrite" if args.dry_run else "rewrote"
         print(f"resplit with {report.parser}: {report.rows_changed} of {report.rows} rows changed; "
               f"{verb} {report.shards_rewritten} of {report.shards} shards")
-    return 0
+    return EXIT_OK

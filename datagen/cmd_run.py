@@ -8,10 +8,11 @@ Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` starte
 ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and server settings;
 ``--server-url`` uses a running server (no launch, no hygiene on it).
 
-Exit codes: 0 the run completed (validation passed); 1 the run failed (launch, inference or
-validation; the message says which); 2 usage or configuration error (a missing input names its
-path), or the output is locked by another run (refused at once, naming the lock holder), as
-`datagen resplit` does.
+Exit codes: 0 the run completed (validation passed); 1 the run failed (hygiene, launch, inference
+or validation; the message says which); 2 usage or configuration error (a missing input names its
+path), a target that cannot be reached, an output written from another input or shard size, or
+the output is locked by another run (refused at once, naming the lock holder), as `datagen resplit`
+does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
+from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
 
@@ -68,7 +71,8 @@ def ui_url() -> str | None:
 
 
 def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.")
+    p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.", epilog=exit_codes(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partition", default="all", help="partition name in deployments/ or a .toml path (default: all)")
     p.add_argument("--input", dest="inputs", action="append", metavar="PATH",
                    help="ad-hoc dataset file (JSONL or Parquet); repeatable; replaces the partition's datasets")
@@ -94,24 +98,24 @@ def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
     try:
         cfg = load_partition(partition).with_overrides(**overrides)
     except ConfigError as exc:
-        return 2, exc
+        return exit_code_for(exc), exc
     locked = _locked(cfg)
     if locked is not None:
         # Refuse before starting Prefect or touching a GPU: the other run owns this output.
-        return 2, locked
+        return exit_code_for(locked), locked
     setup_prefect_env()
-    from flows.datagen import datagen
-    from flows.gpulimit import ensure_limits, limit_name
+    # Imported after setup_prefect_env: Prefect reads its settings when imported.
+    from flows.datagen import datagen  # noqa: PLC0415
 
     if cfg.server_url is None:
         ensure_limits([limit_name(t) for t in cfg.targets])
     state = datagen(partition=partition, **overrides, return_state=True)
     if state.is_completed():
-        return 0, state.result()
+        return EXIT_OK, state.result()
     err = state.result(raise_on_failure=False)
-    if isinstance(err, ConfigError | OutputLocked):  # OutputLocked: taken between the check and the flow
-        return 2, err
-    return 1, err if isinstance(err, BaseException) else state.message
+    if isinstance(err, BaseException):  # OutputLocked here: taken between the check and the flow
+        return exit_code_for(err), err
+    return EXIT_FAILED, state.message
 
 
 def _locked(cfg: PartitionConfig) -> OutputLocked | None:
@@ -123,18 +127,25 @@ def _locked(cfg: PartitionConfig) -> OutputLocked | None:
     return OutputLocked(out.path / "_lock", holder) if holder is not None else None
 
 
+def failure_label(result: Any, failed: str) -> str:
+    """How a refused or failed run's message starts: "refused" (output locked), "configuration
+    error", or ``failed``."""
+    if isinstance(result, OutputLocked):
+        return "refused"
+    return "configuration error" if isinstance(result, ConfigError) else failed
+
+
+@reports_errors("datagen run")
 def main(argv: list[str]) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):
+        return args
     code, result = run_flow(args.partition, overrides_of(args))
-    if code == 0:
+    if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
         print(result["validation"])
         if result.get("latest"):
             print(f"latest -> {result['out_dir']}")
     else:
-        what = "refused" if isinstance(result, OutputLocked) else "configuration error" if code == 2 else "run failed"
-        print(f"datagen run: {what}: {result}", file=sys.stderr)
+        print(f"datagen run: {failure_label(result, 'run failed')}: {result}", file=sys.stderr)
     return code

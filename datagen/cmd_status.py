@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
+from tasks.server import list_remembered
+from tasks.shards import OutputDir
 
 
 def status(out: Path) -> dict[str, Any]:
     """The status document of an output directory. Raises FileNotFoundError without a manifest."""
-    from tasks.shards import OutputDir
-
     od = OutputDir(out)
     manifest = od.read_manifest()
     if manifest is None:
@@ -45,8 +46,6 @@ def status(out: Path) -> dict[str, Any]:
         except ValueError:
             validation = "unreadable"
     try:
-        from tasks.server import list_remembered
-
         fractions = list_remembered()
     except Exception as exc:  # the memory store is advisory here
         fractions = [{"error": str(exc)}]
@@ -80,18 +79,15 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@reports_errors("datagen status")
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.")
+    p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.",
+                                epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--json", action="store_true")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
-    try:
-        doc = status(Path(args.out_dir))
-    except FileNotFoundError as exc:
-        print(f"datagen status: {exc}", file=sys.stderr)
-        return 2
+    args = parse_args(p, argv)
+    if isinstance(args, int):
+        return args
+    doc = status(Path(args.out_dir))
     print(json.dumps(doc, indent=1, default=str) if args.json else render(doc))
-    return 0
+    return EXIT_OK

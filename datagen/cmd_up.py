@@ -13,7 +13,7 @@ The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200. Pids go to ``
 never signalled); `down` stops exactly those processes and nothing else.
 
 Exit codes: 0 done; 1 a step failed (the message says which, with the log's last lines);
-2 usage error.
+2 usage error, or a path or setting that cannot be used.
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-from datagen._cli import parse_args
+from datagen._cli import EXIT_OK, EXIT_USAGE, exit_codes, parse_args, reports_errors
+from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
+from tasks.errors import DatagenError
 
 POOL = "gpu"
 DEFAULT_PORT = 4200
 
 
-class UpError(RuntimeError):
+class UpError(DatagenError, RuntimeError):
     """A step of `datagen up` failed; the message names the step and carries the log tail."""
 
 
@@ -140,8 +142,6 @@ def _wait_healthy(api_url: str, proc_pid: int | None, log: Path | None, deadline
 
 def gpu_limit_names() -> list[str]:
     """``gpu:<host>`` for every target of every partition config."""
-    from flows.gpulimit import limit_name
-
     names: set[str] = set()
     for part in list_partitions():
         try:
@@ -153,10 +153,10 @@ def gpu_limit_names() -> list[str]:
 
 
 def _setup_api_objects(api_url: str) -> list[str]:
+    # Prefect is imported here, not at the top: it reads its settings when imported, and `down`
+    # (which never needs it) stays fast.
     os.environ["PREFECT_API_URL"] = api_url
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.gpulimit import ensure_limits
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
         _ensure_pool()
@@ -166,9 +166,9 @@ def _setup_api_objects(api_url: str) -> list[str]:
 
 
 def _ensure_pool() -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.client.orchestration import get_client  # noqa: PLC0415 (see _setup_api_objects)
+    from prefect.client.schemas.actions import WorkPoolCreate  # noqa: PLC0415
+    from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415
 
     with get_client(sync_client=True) as client:
         try:
@@ -177,6 +177,7 @@ def _ensure_pool() -> None:
             pass
 
 
+@reports_errors("datagen up")
 def up(args: argparse.Namespace) -> int:
     root = project_root()
     run_dir = _run_dir(args.run_dir)
@@ -217,10 +218,13 @@ def up(args: argparse.Namespace) -> int:
 
     deploy_log = run_dir / "deploy.log"
     with open(deploy_log, "wb") as fh:
-        rc = subprocess.run(
-            [_bin("prefect"), "--no-prompt", "deploy", "--all"],
-            cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=300,
-        ).returncode
+        try:
+            rc = subprocess.run(
+                [_bin("prefect"), "--no-prompt", "deploy", "--all"],
+                cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=300,
+            ).returncode
+        except subprocess.TimeoutExpired as exc:
+            raise UpError(str(exc)) from exc
     if rc != 0:
         raise UpError(f"`prefect --no-prompt deploy --all` exited {rc}:\n{_tail(deploy_log)}")
     print("deployed: " + ", ".join(f"datagen/{p}" for p in list_partitions()))
@@ -244,9 +248,10 @@ def up(args: argparse.Namespace) -> int:
     print("next:")
     print(f"  export PREFECT_API_URL={api_url}")
     print("  .venv/bin/prefect deployment run datagen/demo --watch   (stop all: make down)")
-    return 0
+    return EXIT_OK
 
 
+@reports_errors("datagen down")
 def down(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args.run_dir)
     stopped = 0
@@ -259,15 +264,15 @@ def down(args: argparse.Namespace) -> int:
             print(f"{name}: pid {proc.pid} {_stop(proc, sig, 15.0)}")
             stopped += 1
         (run_dir / f"{name}.pid").unlink(missing_ok=True)
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("up", "down"):
         print("usage: datagen up|down [options]", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     cmd, rest = argv[0], argv[1:]
-    parser = argparse.ArgumentParser(prog=f"datagen {cmd}")
+    parser = argparse.ArgumentParser(prog=f"datagen {cmd}", epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", help="where pid files and logs go (default <project>/.run)")
     if cmd == "up":
         parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
@@ -276,10 +281,4 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, rest)
     if isinstance(args, int):
         return args
-    if cmd == "down":
-        return down(args)
-    try:
-        return up(args)
-    except (UpError, subprocess.TimeoutExpired) as exc:
-        print(f"datagen up: {exc}", file=sys.stderr)
-        return 1
+    return down(args) if cmd == "down" else up(args)

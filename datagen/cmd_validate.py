@@ -16,7 +16,8 @@ import argparse
 import json
 import sys
 
-from tasks.validation import BadOutput, ThresholdError, Thresholds, validate_output
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
+from tasks.validation import ThresholdError, Thresholds, validate_output
 
 
 def _parse_threshold(text: str) -> tuple[str, object]:
@@ -29,26 +30,22 @@ def _parse_threshold(text: str) -> tuple[str, object]:
         raise ThresholdError(f"--threshold {key}: {value!r} is not a number or true/false") from exc
 
 
+@reports_errors("datagen validate")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen validate", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--threshold", action="append", default=[], metavar="KEY=VALUE",
                         help="override a threshold, e.g. truncation_max_rate=0.2 (repeatable)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
-    try:
-        thresholds = Thresholds.from_dict(dict(_parse_threshold(t) for t in args.threshold))
-        report = validate_output(args.out_dir, thresholds)
-    except (BadOutput, ThresholdError) as exc:
-        print(f"datagen validate: {exc}", file=sys.stderr)
-        return 2
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
+    thresholds = Thresholds.from_dict(dict(_parse_threshold(t) for t in args.threshold))
+    report = validate_output(args.out_dir, thresholds)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
         print(report.summary())
-    return 1 if report.verdict == "fail" else 0
+    return EXIT_FAILED if report.verdict == "fail" else EXIT_OK

@@ -32,8 +32,10 @@ from prefect.tasks import exponential_backoff
 from flows import runrecord
 from flows.gpulimit import host_of
 from flows.progress import Progress, artifact_key
+from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.config import ConfigError, PartitionConfig, load_partition
+from tasks.hygiene import GpusNotClean
 
 __all__ = [
     "GpusNotClean",
@@ -50,41 +52,6 @@ __all__ = [
     "stop",
     "validate",
 ]
-
-
-class GpusNotClean(RuntimeError):
-    """Hygiene could not verify the GPUs clean (retried: memory is released late)."""
-
-
-# Errors that no retry can fix. Names, not classes, so this module imports before every stage exists.
-_PERMANENT = {
-    "ConfigError", "ValidationFailed", "InputChanged", "OutputLocked", "ManifestError", "TargetError",
-    "TemplateError", "ServerGone", "PromptTooLong", "RequestRejected",
-}
-_PERMANENT_LAUNCH_KINDS = {"bad_flag", "model_not_found", "host_memory"}
-
-
-def _exc(state: Any) -> BaseException | None:
-    data = getattr(state, "data", None)
-    return data if isinstance(data, BaseException) else None
-
-
-def _names(exc: BaseException) -> set[str]:
-    return {c.__name__ for c in type(exc).__mro__}
-
-
-def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """``retry_condition_fn``: retry unless the error is one no retry can fix."""
-    exc = _exc(state)
-    return exc is not None and not (_names(exc) & _PERMANENT)
-
-
-def retry_launch(task: Any, task_run: Any, state: Any) -> bool:
-    exc = _exc(state)
-    if exc is None or _names(exc) & _PERMANENT:
-        return False
-    failure = getattr(exc, "failure", None)
-    return getattr(failure, "kind", None) not in _PERMANENT_LAUNCH_KINDS
 
 
 @dataclass(frozen=True)

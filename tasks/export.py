@@ -16,6 +16,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.errors import DatagenError
 from tasks.prompts import opens_think
 from tasks.reasoning import PARSERS, split_reasoning, tags_for
 from tasks.shards import OutputDir, ShardRecord
@@ -38,7 +39,7 @@ _EXPORT_COLUMNS = ["id", "messages", "prompt", "reasoning", "content", "finish_r
 _BATCH_ROWS = 1024
 
 
-class ExportError(Exception):
+class ExportError(DatagenError):
     """The output cannot be read for export/resplit (message names the path and shard)."""
 
 

@@ -32,6 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks import gpus as probe
+from tasks.errors import DatagenError
 from tasks.targets import CommandResult, Target, parse_target, remote_python, run_command
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "ProbeFailed",
     "ProcessFinding",
     "clean_gpus",
-    "hygiene_task",
     "parse_gpu_list",
 ]
 
@@ -56,8 +56,10 @@ DEFAULT_DEADLINE_S = 30.0
 KILL_WAIT_S = 5.0  # after SIGKILL: longer means D state or a dead driver, reported not awaited
 
 
-class ProbeFailed(RuntimeError):
+class ProbeFailed(DatagenError, RuntimeError):
     """The GPU probe could not run on the target. Carries the command's exit status and output."""
+
+    retryable = True  # a probe over SSH that timed out or lost its connection may answer next time
 
     def __init__(self, target: Target, result: CommandResult | None, reason: str) -> None:
         self.target = target
@@ -69,12 +71,14 @@ class ProbeFailed(RuntimeError):
         super().__init__(f"GPU probe on {target} failed: {reason}{tail}")
 
 
-class GpusNotClean(RuntimeError):
-    """Raised by `hygiene_task` (require_clean=True) when the verdict is not "clean"."""
+class GpusNotClean(DatagenError, RuntimeError):
+    """Hygiene could not verify the GPUs clean. ``report`` is the `HygieneReport` when one was given."""
 
-    def __init__(self, report: HygieneReport) -> None:
+    retryable = True  # the driver releases a killed process's memory late
+
+    def __init__(self, message: str, report: HygieneReport | None = None) -> None:
         self.report = report
-        super().__init__(report.summary())
+        super().__init__(message)
 
 
 @dataclass
@@ -431,43 +435,3 @@ def clean_gpus(
     report.duration_s = time.monotonic() - t0
     return report
 
-
-# --------------------------------------------------------------------------- Prefect
-
-
-def _run_hygiene_task(
-    target: str = "local",
-    gpus: list[int] | None = None,
-    grace_s: float = DEFAULT_GRACE_S,
-    threshold_mib: int = DEFAULT_THRESHOLD_MIB,
-    deadline_s: float = DEFAULT_DEADLINE_S,
-    include_other_users: bool = False,
-    extra_pids: list[int] | None = None,
-    require_clean: bool = True,
-) -> HygieneReport:
-    """Prefect task body: `clean_gpus`, logging the summary; raises GpusNotClean when asked to."""
-    from prefect.logging import get_run_logger
-
-    report = clean_gpus(target, gpus, grace_s=grace_s, threshold_mib=threshold_mib, deadline_s=deadline_s,
-                        include_other_users=include_other_users, extra_pids=tuple(extra_pids or ()))
-    try:
-        get_run_logger().info("%s", report.summary())
-    except Exception:  # called as .fn() outside a run: no run logger
-        pass
-    if require_clean and not report.clean:
-        raise GpusNotClean(report)
-    return report
-
-
-hygiene_task: Any  # the Prefect task; created by __getattr__ below on first access
-
-
-def __getattr__(name: str) -> Any:
-    # Built on first use so that `datagen clean-gpus` does not pay for importing Prefect.
-    if name == "hygiene_task":
-        from prefect import task
-
-        t = task(name="gpu-hygiene", task_run_name="gpu-hygiene-{target}", retries=0)(_run_hygiene_task)
-        globals()["hygiene_task"] = t
-        return t
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

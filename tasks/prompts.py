@@ -19,6 +19,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tasks.errors import DatagenError
 from tasks.reasoning import tags_for
 
 __all__ = [
@@ -69,7 +70,7 @@ class Reject:
         return {"dataset": self.dataset, "line": self.line, "reason": self.reason, "raw": self.raw}
 
 
-class TemplateError(ValueError):
+class TemplateError(DatagenError, ValueError):
     """The chat template is missing, invalid, or failed to render (names the model dir and row)."""
 
 

@@ -52,6 +52,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import IO, Any
 
+from tasks.errors import DatagenError
+
 __all__ = [
     "Target",
     "TargetError",
@@ -75,12 +77,14 @@ _HOST_RE = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(?:\.[
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class TargetError(ValueError):
+class TargetError(DatagenError, ValueError):
     """A target string or setting that cannot be used; the message names the offending input."""
 
 
-class TargetUnreachable(ConnectionError):
+class TargetUnreachable(DatagenError, ConnectionError):
     """The target could not be reached or refused us; the message names the target."""
+
+    retryable = True
 
     def __init__(self, target: Target, reason: str) -> None:
         self.target = target

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tasks.errors import DatagenError
+
 __all__ = [
     "ConfigError",
     "check_target",
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(DatagenError, ValueError):
     """A partition config (or an override) is missing, unreadable or invalid; the message names
     the file and the key."""
 

@@ -45,6 +45,8 @@ import aiohttp
 import httpx
 import orjson
 
+from tasks.errors import DatagenError
+
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "ClientConfig",
@@ -72,7 +74,7 @@ _DUPLICATE_RID = re.compile(r"duplicate request id", re.IGNORECASE)
 _QUEUE_FULL = re.compile(r"queue is full", re.IGNORECASE)
 
 
-class ClientError(Exception):
+class ClientError(DatagenError):
     """Base of the client's errors."""
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tasks.errors import DatagenError
+
 __all__ = [
     "API_KEY_ENV",
     "BOOTSTRAP_ENV",
@@ -57,7 +59,7 @@ _MANAGED_FLAGS = frozenset(
 )
 
 
-class ServerError(RuntimeError):
+class ServerError(DatagenError, RuntimeError):
     """Base of every error this module raises."""
 
 

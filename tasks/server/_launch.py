@@ -167,6 +167,8 @@ class ServerHandle:
 class StopFailed(ServerError):
     """The server's group was killed, but hygiene did not verify its GPUs clean. ``.report`` has why."""
 
+    retryable = True  # the driver releases a killed process's memory late
+
     def __init__(self, message: str, report: Any = None) -> None:
         self.report = report
         super().__init__(message)

@@ -207,6 +207,15 @@ def _later(current: str, new: str) -> str:
 class LaunchFailed(ServerError):
     """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure)."""
 
+    # Kinds a relaunch with the same config cannot fix; every other kind (a memory fraction to move,
+    # a taken port, a timeout) may succeed on the next attempt. Decided per instance, hence a
+    # property where DatagenError has a class attribute.
+    PERMANENT_KINDS: frozenset[str] = frozenset({"bad_flag", "model_not_found", "host_memory"})
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]
+        return self.failure.kind not in self.PERMANENT_KINDS
+
     def __init__(
         self,
         failure: Failure,

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from tasks.errors import DatagenError
 from tasks.server._launch import ServerConfig, format_fraction, server_flags
 from tasks.shards._fs import fsync_dir
 
@@ -52,7 +53,7 @@ log = logging.getLogger("tasks.server._tuner")
 HISTORY_KEPT = 10  # events kept per entry, newest last
 
 
-class MemoryStoreError(RuntimeError):
+class MemoryStoreError(DatagenError, RuntimeError):
     """The remembered-fractions store exists but cannot be read or written."""
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tasks.errors import DatagenError
+
 __all__ = ["InputChanged", "ManifestError", "OutputLocked", "ShardsError"]
 
 
-class ShardsError(Exception):
+class ShardsError(DatagenError):
     """Base of every error raised by tasks.shards."""
 
 

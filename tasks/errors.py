@@ -1,0 +1,44 @@
+"""The root of every datagen error, and what an error says about retrying the step that raised it.
+
+Each family lives with the code that raises it and keeps the built-in base its callers catch::
+
+    DatagenError                              retryable?
+    ├── ConfigError (ValueError)              no      tasks.config
+    ├── TemplateError (ValueError)            no      tasks.prompts
+    ├── TargetError (ValueError)              no      tasks.targets
+    ├── TargetUnreachable (ConnectionError)   yes     tasks.targets
+    ├── ProbeFailed (RuntimeError)            yes     tasks.hygiene
+    ├── GpusNotClean (RuntimeError)           yes     tasks.hygiene (the driver releases memory late)
+    ├── ServerError (RuntimeError)            no      tasks.server
+    │   ├── ServerConfigError (ValueError)    no
+    │   ├── LaunchFailed                      unless failure.kind is bad_flag, model_not_found, host_memory
+    │   └── StopFailed                        yes
+    ├── MemoryStoreError (RuntimeError)       no      tasks.server
+    ├── ClientError                           no      tasks.inference
+    │   ├── ServerGone                        no      (the flow relaunches the server instead)
+    │   └── RequestRejected                   no
+    │       └── PromptTooLong                 no
+    ├── ShardsError                           no      tasks.shards
+    │   ├── OutputLocked                      no
+    │   ├── InputChanged                      no
+    │   └── ManifestError                     no
+    ├── ExportError                           no      tasks.export
+    ├── ThresholdError (ValueError)           no      tasks.validation
+    ├── BadOutput                             no      tasks.validation
+    ├── ValidationFailed                      no      tasks.validation
+    └── UpError (RuntimeError)                no      datagen.cmd_up
+
+``retryable`` answers one question: can running the same step again, unchanged, succeed? The flow's
+retry conditions (flows.retry) and nothing else read it; the command line maps families to exit
+codes (datagen._cli).
+"""
+
+from __future__ import annotations
+
+__all__ = ["DatagenError"]
+
+
+class DatagenError(Exception):
+    """Base of every error datagen raises. ``retryable``: whether retrying the same step can help."""
+
+    retryable: bool = False
