@@ -14,12 +14,14 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from datagen._cli import parse_args
 from tasks.export import FORMATS, ExportError, export
+from tasks.files import atomic_writer
+
+# FORMATS, ExportError, export
 from tasks.shards import ShardsError
 
 
@@ -41,16 +43,9 @@ def main(argv: list[str]) -> int:
                             include_truncated=args.include_truncated)
         else:
             target = Path(args.out)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    report = export(args.out_dir, args.format, fh, datasets=args.dataset,
-                                    include_truncated=args.include_truncated)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
+            with atomic_writer(target) as fh:
+                report = export(args.out_dir, args.format, fh, datasets=args.dataset,
+                                include_truncated=args.include_truncated)
     except (ValueError, ExportError, ShardsError, OSError) as exc:
         print(f"datagen export: {exc}", file=sys.stderr)
         return 2

@@ -25,23 +25,19 @@ id alone could name another session by now).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from tasks.config import state_dir
+from tasks.files import atomic_write_json
+from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
 
 __all__ = [
     "add_server",
-    "clear",
     "dead_runs",
     "end_dead_servers",
     "end_server",
@@ -82,9 +78,7 @@ def update(flow_run_id: str | None, **fields: Any) -> None:
 def _write(flow_run_id: str, data: dict[str, Any]) -> None:
     path = _path(flow_run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, indent=1)
 
 
 def add_server(flow_run_id: str | None, target: str, pid: int, pgid: int) -> None:
@@ -111,22 +105,6 @@ def update_server(flow_run_id: str | None, pid: int, **fields: Any) -> None:
     _write(flow_run_id, data)
 
 
-def clear(flow_run_id: str | None) -> None:
-    if flow_run_id:
-        _path(flow_run_id).unlink(missing_ok=True)
-
-
-def process_started(pid: int) -> float | None:
-    """The start time of a live process (psutil's ``create_time``), None when it is gone or a zombie."""
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return float(p.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-
-
 def owner(pid: int | None = None) -> dict[str, Any]:
     """This process (or ``pid``) as recorded: host name, pid and start time."""
     pid = os.getpid() if pid is None else pid
@@ -137,14 +115,10 @@ def process_alive(entry: dict[str, Any]) -> bool:
     """Whether the process an ``owner()`` entry names still runs: same pid and same start time (a
     reused pid is another process). An entry without a start time is judged by its pid alone."""
     try:
-        pid = int(entry["pid"])
+        identity = ProcessIdentity(int(entry["pid"]), entry.get("started"))
     except (KeyError, TypeError, ValueError):
         return False
-    started = process_started(pid)
-    if started is None:
-        return False
-    recorded = entry.get("started")
-    return recorded is None or abs(float(recorded) - started) < 0.05
+    return same_process(identity)
 
 
 def _records() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -189,18 +163,6 @@ def release_dead_leases(release: Callable[[str], bool], exclude: str | None = No
     return released
 
 
-def _group(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) members of process group ``pgid`` on this machine."""
-    members = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                members.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return members
-
-
 def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
     """End a recorded local server by process group: only when its pid is still the recorded
     process (same start time, checked just before each signal), SIGTERM the group, wait up to
@@ -219,16 +181,7 @@ def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
         return False
     # Verified once: from here the group id names the same group for as long as it has members
     # (a process group id is not reused while the group exists), even after its leader exited.
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        if sig == signal.SIGKILL and not _group(pgid):
-            break
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait_s
-        delay = 0.02
-        while _group(pgid) and time.monotonic() < deadline:
-            time.sleep(delay)  # polling a group we do not parent: nothing to wait on
-            delay = min(delay * 2, 0.25)
+    terminate_group(pgid, grace_s)
     return True
 
 

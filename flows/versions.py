@@ -17,6 +17,8 @@ import datetime as dt
 import os
 from pathlib import Path
 
+from tasks.files import fsync_dir
+
 __all__ = ["choose_version", "mark_failed", "promote_latest"]
 
 
@@ -57,9 +59,5 @@ def promote_latest(root: Path, version_dir: Path) -> Path:
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(version_dir, root), tmp)
     os.replace(tmp, link)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
     return link

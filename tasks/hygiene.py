@@ -435,7 +435,7 @@ def _run_hygiene_task(
     require_clean: bool = True,
 ) -> HygieneReport:
     """Prefect task body: `clean_gpus`, logging the summary; raises GpusNotClean when asked to."""
-    from prefect.logging import get_run_logger
+    from prefect.logging import get_run_logger  # noqa: PLC0415 (the CLI path never imports Prefect)
 
     report = clean_gpus(target, gpus, grace_s=grace_s, threshold_mib=threshold_mib, deadline_s=deadline_s,
                         include_other_users=include_other_users, extra_pids=tuple(extra_pids or ()))
@@ -454,7 +454,7 @@ hygiene_task: Any  # the Prefect task; created by __getattr__ below on first acc
 def __getattr__(name: str) -> Any:
     # Built on first use so that `datagen clean-gpus` does not pay for importing Prefect.
     if name == "hygiene_task":
-        from prefect import task
+        from prefect import task  # noqa: PLC0415 (see above)
 
         t = task(name="gpu-hygiene", task_run_name="gpu-hygiene-{target}", retries=0)(_run_hygiene_task)
         globals()["hygiene_task"] = t

@@ -49,6 +49,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -188,8 +189,6 @@ def remote_env() -> dict[str, str]:
 
 def remote_python(target: Target) -> str:
     """The Python interpreter to use on ``target`` (local: this one)."""
-    import sys
-
     if target.is_local:
         return sys.executable
     return remote_env().get("DATAGEN_PYTHON") or "python3"
@@ -274,8 +273,9 @@ def ssh_command(target: Target, *options: str) -> list[str]:
 
 
 def _connection(target: Target) -> Any:
-    from fabric import Connection  # heavy import: only when a remote target is used
-    from paramiko import RejectPolicy
+    # fabric, paramiko and invoke are slow to import: only when a remote target is used
+    from fabric import Connection  # noqa: PLC0415
+    from paramiko import RejectPolicy  # noqa: PLC0415
 
     kwargs: dict[str, Any] = {}
     key = os.environ.get("DATAGEN_SSH_KEY")
@@ -291,7 +291,7 @@ def _connection(target: Target) -> Any:
 
 
 def _open(conn: Any, target: Target) -> None:
-    import paramiko
+    import paramiko  # noqa: PLC0415 (only for remote targets, see _connection)
 
     try:
         conn.open()
@@ -335,7 +335,7 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
             return CommandResult(127, "", f"{argv[0]}: {exc}")
         return CommandResult(proc.returncode, proc.stdout, proc.stderr)
     line = remote_command_line(target, argv, timeout_s, env)
-    from invoke.exceptions import CommandTimedOut
+    from invoke.exceptions import CommandTimedOut  # noqa: PLC0415 (only for remote targets)
 
     conn = _connection(target)
     try:

@@ -17,8 +17,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.files import append_durable, atomic_write_bytes
 from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
-from tasks.shards._fs import append_durable, atomic_write_bytes
 
 __all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
 

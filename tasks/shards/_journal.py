@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from tasks.shards._fs import fsync_dir
+from tasks.files import fsync_dir
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "Journal", "JournalContents"]
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import orjson
 
+from tasks.files import atomic_write_bytes
 from tasks.shards._errors import InputChanged, ManifestError
-from tasks.shards._fs import atomic_write_bytes, utc_now_iso
+from tasks.shards._fs import utc_now_iso
 
 __all__ = [
     "MANIFEST_FILE",
