@@ -1,26 +1,10 @@
-"""What a flow run started, on disk, for its state hooks and for the next run on this host.
+"""What a flow run started, on disk, so its state hooks and the next run on this host can clean it.
 
-A hook may run in another process (the process worker runs ``on_crashed`` after the flow process
-was SIGKILLed), so the flow writes ``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` with its targets,
-the simulated-GPU file it used, the pid/process group of every server it launched, its
-``gpu:<host>`` slot lease and its own process (``owner``: host, pid, start time); the hook reads it
-to clean exactly those.
-
-A plain `datagen run` that is SIGKILLed gets no hook, and its lease would block the host until it
-expires (``flows.gpulimit.LEASE_S`` plus the API's repossession loop: 60-75 s). So a new run on the
-same machine first releases the leases of recorded runs whose flow process is dead
-(:func:`release_dead_leases`): same host name, and the pid is gone, a zombie, or now another process
-(its start time differs). Limits: only runs that share ``$DATAGEN_STATE_DIR`` are seen, and a run
-killed between acquiring the lease and recording it still waits for the expiry.
-
-Servers: each launch attempt's server is recorded (``servers``: target, pid, pgid, start time) the
-moment its process exists (``tasks.server.launch``'s ``on_started``), not once it is ready, so a
-flow SIGKILLed while its server loads still leaves a record. The next run on this machine ends
-those of dead runs (:func:`end_dead_servers`) by process group, after checking that the pid is
-still the recorded process (same start time); never by pattern. Only local servers: a remote
-one's start time cannot be checked from here, so its GPUs are left to the before-launch hygiene.
-A server whose leader is gone while members of its group live is also left to hygiene (the group
-id alone could name another session by now).
+``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` holds the run's targets, simulated-GPU file, slot
+lease, its own process (``owner``: host, pid, start time) and every server it launched (target,
+pid, process group, start time), recorded the moment each process exists. A hook reads it to clean
+exactly those; a new run on the same host releases the leases (:func:`release_dead_leases`) and ends
+the local servers (:func:`end_dead_servers`) of recorded runs whose flow process is dead.
 """
 
 from __future__ import annotations
@@ -55,6 +39,7 @@ def _path(flow_run_id: str) -> Path:
 
 
 def read(flow_run_id: str) -> dict[str, Any]:
+    """The record of ``flow_run_id`` ({} when missing or unreadable)."""
     try:
         data = json.loads(_path(flow_run_id).read_text())
         return data if isinstance(data, dict) else {}
@@ -63,7 +48,15 @@ def read(flow_run_id: str) -> dict[str, Any]:
 
 
 def update(flow_run_id: str | None, **fields: Any) -> None:
-    """Merge ``fields`` into the record (atomic rename). ``servers`` entries are appended."""
+    """Merge ``fields`` into the record and write it durably. ``servers`` entries are appended.
+
+    Args:
+        flow_run_id: the run (None or "": nothing is recorded).
+        fields: top-level keys to set.
+
+    Raises:
+        OSError: the record cannot be written.
+    """
     if not flow_run_id:
         return
     data = read(flow_run_id)
@@ -164,10 +157,17 @@ def release_dead_leases(release: Callable[[str], bool], exclude: str | None = No
 
 
 def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
-    """End a recorded local server by process group: only when its pid is still the recorded
-    process (same start time, checked just before each signal), SIGTERM the group, wait up to
-    ``grace_s``, then SIGKILL it. Returns whether it was ended (False: not the recorded process
-    any more, nothing to do). Raises nothing; a group it cannot signal is left to hygiene."""
+    """End a recorded local server by process group (``tasks.procs.terminate_group``).
+
+    Only when its pid is still the recorded process (same start time) and still leads the recorded
+    group, both checked once before the first signal. Returns whether it was ended (False: not the
+    recorded process any more, nothing to do). Raises nothing; a group it cannot signal is left to
+    hygiene.
+
+    Args:
+        entry: a ``servers`` entry of a record (target, pid, pgid, started).
+        grace_s: seconds between SIGTERM and SIGKILL.
+    """
     if entry.get("target", "local") != "local" or entry.get("started") is None:
         return False  # no start time: a reused pid cannot be told apart, so never signal it
     pid = int(entry["pid"])

@@ -38,13 +38,9 @@ START_TOLERANCE_S = 0.05
 
 
 def process_started(pid: int) -> float | None:
-    """The start time (seconds since the epoch) of a live local process.
+    """The start time (seconds since the epoch) of the live local process ``pid``.
 
-    Args:
-        pid: the process id.
-
-    Returns:
-        None when there is no such process, it is a zombie, or it cannot be inspected.
+    None when there is no such process, it is a zombie, or it cannot be inspected.
     """
     try:
         p = psutil.Process(pid)

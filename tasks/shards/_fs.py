@@ -30,7 +30,11 @@ def shard_file_name(index: int) -> str:
 
 
 def check_dataset_name(dataset: str) -> None:
-    """Raises ValueError for a name that is not a safe single path component."""
+    """Check that ``dataset`` is a safe single path component.
+
+    Raises:
+        ValueError: it is not (1-128 of ``[A-Za-z0-9._-]``, not starting with ``_`` or ``.``).
+    """
     if not _DATASET_NAME.match(dataset) or dataset.startswith("_"):
         raise ValueError(
             f"dataset name {dataset!r} must be 1-128 of [A-Za-z0-9._-], not starting with '_' or '.'"
