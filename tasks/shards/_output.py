@@ -24,14 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
-from tasks.shards._errors import InputChanged, ManifestError, OutputLocked, ShardsError
+from tasks.shards._errors import ManifestError, ShardsError
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
-from tasks.shards._journal import JOURNAL_FSYNC_INTERVAL_S, Journal, JournalContents
-from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder, read_lock_body
+from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder
 from tasks.shards._manifest import (
     MANIFEST_FILE,
-    MANIFEST_VERSION,
-    CommittedShard,
     ShardRecord,
     add_shard,
     bind_dataset,
@@ -51,23 +48,7 @@ from tasks.shards._recovery import (
     remove_temp_files,
 )
 
-__all__ = [
-    "JOURNAL_FSYNC_INTERVAL_S",
-    "MANIFEST_VERSION",
-    "CommittedShard",
-    "InputChanged",
-    "Journal",
-    "JournalContents",
-    "ManifestError",
-    "OutputDir",
-    "OutputLock",
-    "OutputLocked",
-    "ShardRecord",
-    "ShardsError",
-    "rows_to_table",
-    "shard_file_name",
-    "utc_now_iso",
-]
+__all__ = ["OutputDir"]
 
 
 class OutputDir:
@@ -143,10 +124,6 @@ class OutputDir:
             return
         with self.lock(run_info) as lk:
             yield lk
-
-    def lock_body(self) -> dict[str, Any]:
-        """The lock file's JSON body ({} when missing or unreadable), whether or not it is held."""
-        return read_lock_body(self.path / LOCK_FILE)
 
     def lock_holder(self) -> dict[str, Any] | None:
         """The body of a lock that a live process holds right now, else None (stale bodies ignored)."""
