@@ -138,17 +138,17 @@ async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transp
 
 
 def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: str) -> tuple[float, int]:
-    from tasks.inference import ClientConfig, DatasetSpec, run_dataset
+    from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, run_dataset
 
-    r = run_dataset(DatasetSpec("bench", inp), out, url, model_dir=DEMO, shard_size=1000,
-                    concurrency=CONCURRENCY, sampling=sampling,
-                    client_config=ClientConfig(transport=transport))  # type: ignore[arg-type]
+    settings = InferenceSettings(model_dir=DEMO, shard_size=1000, concurrency=CONCURRENCY, sampling=sampling,
+                                 client=ClientConfig(transport=transport))  # type: ignore[arg-type]
+    r = run_dataset(DatasetSpec("bench", inp), out, Endpoint(url, "bench"), settings)
     return r.rows_generated / r.elapsed_s, r.rows_generated
 
 
 async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tuple[float, int]:
     """Busy-slot fraction over the window where the client still had rows to send."""
-    from tasks.inference import DatasetSpec, run_dataset_async
+    from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset_async
 
     samples: list[tuple[float, dict[str, float]]] = []
     done = asyncio.Event()
@@ -164,8 +164,9 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
                 pass
 
     task = asyncio.create_task(sampler())
-    r = await run_dataset_async(DatasetSpec("util", inp), out, url, model_dir=DEMO, shard_size=200,
-                                concurrency=None, sampling={"max_new_tokens": 256})
+    r = await run_dataset_async(DatasetSpec("util", inp), out, Endpoint(url, "bench"),
+                                InferenceSettings(model_dir=DEMO, shard_size=200, concurrency=None,
+                                                  sampling={"max_new_tokens": 256}))
     done.set()
     await task
     # steady state: from the first sample with every slot running to the last one where the server had
@@ -183,10 +184,11 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
 _MEM_CHILD = """
 import json, resource, sys
 from pathlib import Path
-from tasks.inference import DatasetSpec, run_dataset
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
 a = json.loads(sys.argv[1])
-r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=1000,
-                concurrency=64, sampling={"max_new_tokens": 16})
+r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], Endpoint(a["url"], "bench"),
+                InferenceSettings(model_dir=a["model"], shard_size=1000, concurrency=64,
+                                  sampling={"max_new_tokens": 16}))
 assert r.complete, r
 end = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")][0]
 print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rows": r.rows_generated,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from datagen._cli import parse_args
 from datagen.cmd_run import run_flow, ui_url
-from tasks.config import ConfigError, load_partition
+from tasks.config import ConfigError, Overrides, load_partition
 from tasks.shards import OutputDir, OutputLocked
 
 
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(out)  # only ever a previous demo output (it has a datagen manifest)
     t0 = time.monotonic()
     print(f"datagen demo: {len(cfg.datasets)} datasets -> {out} (emulator, simulated GPUs)", flush=True)
-    code, result = run_flow("demo", {"out": str(out), "backend": "emulator"})
+    code, result = run_flow("demo", Overrides(out=str(out), backend="emulator"))
     elapsed = time.monotonic() - t0
     if code != 0:
         what = "refused" if isinstance(result, OutputLocked) else "configuration error" if code == 2 else "failed"

@@ -56,11 +56,12 @@ from __future__ import annotations
 
 from tasks.config._checks import ConfigError
 from tasks.config._load import deployments_dir, list_partitions, load_partition, project_root, state_dir
-from tasks.config._model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings
+from tasks.config._model import BACKENDS, Overrides, PartitionConfig, ServerSettings, SimGpuSettings
 
 __all__ = [
     "BACKENDS",
     "ConfigError",
+    "Overrides",
     "PartitionConfig",
     "ServerSettings",
     "SimGpuSettings",

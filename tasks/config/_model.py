@@ -7,6 +7,8 @@ applies ``datagen run`` options and deployment parameters with the same checks a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,8 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config._checks import ConfigError, fraction, parser_name, positive_int
+from tasks.server import ServerConfig
 
-__all__ = ["BACKENDS", "PartitionConfig", "ServerSettings", "SimGpuSettings", "check_model"]
+__all__ = [
+    "BACKENDS",
+    "PARTITION_ONLY_SERVER_KEYS",
+    "Overrides",
+    "PartitionConfig",
+    "ServerSettings",
+    "SimGpuSettings",
+    "check_model",
+]
 
 BACKENDS = ("sglang", "emulator")
 _ENV_API_KEY = "DATAGEN_API_KEY"
@@ -57,6 +68,64 @@ class ServerSettings:
     python: str | None = None
 
 
+# [server] keys that are not launch settings of ServerConfig: where and how the partition runs it.
+PARTITION_ONLY_SERVER_KEYS = frozenset({"targets", "api_key_secret", "hub_token_secret", "launch_deadline_s"})
+_LAUNCH_KEYS = tuple(f.name for f in dataclasses.fields(ServerSettings) if f.name not in PARTITION_ONLY_SERVER_KEYS)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Settings a run may override: ``datagen run`` options and the flow's parameters (same names).
+
+    Every field is optional; None keeps the partition's value. The field list is the single list
+    of overrides: the CLI and the flow derive theirs from it (``from_mapping``, ``names``).
+    """
+
+    inputs: tuple[str, ...] | None = None
+    model_path: str | None = None
+    out: str | None = None
+    backend: str | None = None
+    server_url: str | None = None
+    shard_size: int | None = None
+    concurrency: int | None = None
+    mem_fraction_static: float | None = None
+    reasoning_parser: str | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The override names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Overrides:
+        """The overrides among ``values`` (e.g. argparse's namespace or the flow's parameters);
+        other keys are ignored, and so are None values."""
+        picked = {k: values[k] for k in cls.names() if values.get(k) is not None}
+        if "inputs" in picked:
+            picked["inputs"] = tuple(str(p) for p in picked["inputs"])
+        return cls(**picked)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The set overrides as keyword arguments of the flow (lists where the flow takes one)."""
+        out = {k: getattr(self, k) for k in self.names() if getattr(self, k) is not None}
+        if "inputs" in out:
+            out["inputs"] = list(out["inputs"])
+        return out
+
+
+def _input_datasets(inputs: tuple[str, ...], where: str) -> dict[str, Path]:
+    datasets: dict[str, Path] = {}
+    for raw in inputs:
+        p = Path(raw).expanduser().resolve()
+        if not p.is_file():
+            raise ConfigError(f"{where}: --input {raw}: no such file")
+        name = p.name.split(".")[0]
+        if name in datasets:
+            raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
+        datasets[name] = p
+    return datasets
+
+
 @dataclass(frozen=True)
 class PartitionConfig:
     """One partition, validated. Paths are absolute."""
@@ -83,64 +152,96 @@ class PartitionConfig:
     def targets(self) -> tuple[str, ...]:
         return self.server.targets
 
-    def with_overrides(
-        self,
-        *,
-        inputs: list[str] | None = None,
-        model_path: str | None = None,
-        out: str | None = None,
-        backend: str | None = None,
-        server_url: str | None = None,
-        shard_size: int | None = None,
-        concurrency: int | None = None,
-        mem_fraction_static: float | None = None,
-        reasoning_parser: str | None = None,
-    ) -> PartitionConfig:
-        """A copy with command-line / deployment-parameter overrides applied and validated.
+    def with_overrides(self, overrides: Overrides) -> PartitionConfig:
+        """A copy with ``overrides`` applied and validated with the file's checks.
 
-        ``inputs`` replaces the datasets (named after each file's stem); ``out`` is used as the
-        output directory itself (no versioning). Raises ``ConfigError``."""
+        Args:
+            overrides: the set fields replace the config's; ``inputs`` replaces the datasets (each
+                named after its file's stem), ``out`` is the output directory itself (no versioning).
+
+        Raises:
+            ConfigError: an override is invalid; the message starts with "override: <key>".
+        """
         where = "override"
-        cfg = self
-        server = cfg.server
+        server = self.server
         changes: dict[str, Any] = {}
-        if inputs:
-            datasets: dict[str, Path] = {}
-            for raw in inputs:
-                p = Path(raw).expanduser().resolve()
-                if not p.is_file():
-                    raise ConfigError(f"{where}: --input {raw}: no such file")
-                name = p.name.split(".")[0]
-                if name in datasets:
-                    raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
-                datasets[name] = p
-            changes["datasets"] = datasets
-        if model_path is not None:
-            changes["model_path"] = str(Path(model_path).expanduser().resolve())
-        if out is not None:
-            changes["output_root"] = Path(out).expanduser().resolve()
+        if overrides.inputs:
+            changes["datasets"] = _input_datasets(overrides.inputs, where)
+        if overrides.model_path is not None:
+            changes["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
+        if overrides.out is not None:
+            changes["output_root"] = Path(overrides.out).expanduser().resolve()
             changes["versioned"] = False
-        if backend is not None:
-            if backend not in BACKENDS:
-                raise ConfigError(f"{where}: backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-            server = dataclasses.replace(server, backend=backend)
-        if server_url is not None:
-            if not server_url.startswith(("http://", "https://")):
-                raise ConfigError(f"{where}: server_url: {server_url!r} is not an http(s) URL")
-            changes["server_url"] = server_url.rstrip("/")
-        if shard_size is not None:
-            changes["shard_size"] = positive_int(shard_size, where, "shard_size")
-        if concurrency is not None:
-            changes["concurrency"] = positive_int(concurrency, where, "concurrency")
-        if mem_fraction_static is not None:
+        if overrides.backend is not None:
+            if overrides.backend not in BACKENDS:
+                raise ConfigError(f"{where}: backend: {overrides.backend!r} is not one of {', '.join(BACKENDS)}")
+            server = dataclasses.replace(server, backend=overrides.backend)
+        if overrides.server_url is not None:
+            if not overrides.server_url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}: server_url: {overrides.server_url!r} is not an http(s) URL")
+            changes["server_url"] = overrides.server_url.rstrip("/")
+        if overrides.shard_size is not None:
+            changes["shard_size"] = positive_int(overrides.shard_size, where, "shard_size")
+        if overrides.concurrency is not None:
+            changes["concurrency"] = positive_int(overrides.concurrency, where, "concurrency")
+        if overrides.mem_fraction_static is not None:
             server = dataclasses.replace(
-                server, mem_fraction_static=fraction(mem_fraction_static, where, "mem_fraction_static")
+                server, mem_fraction_static=fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
             )
-        if reasoning_parser is not None:
-            changes["reasoning_parser"] = parser_name(reasoning_parser, where, "reasoning_parser")
-        out_cfg = dataclasses.replace(cfg, server=server, **changes)
+        if overrides.reasoning_parser is not None:
+            changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
+        out_cfg = dataclasses.replace(self, server=server, **changes)
         check_model(out_cfg, where)
         return out_cfg
+
+    def server_config(self, port: int, reasoning_parser: str | None) -> ServerConfig:
+        """The ``ServerConfig`` that launches this partition's server.
+
+        Every ``[server]`` setting that is a launch setting (same name in ServerConfig) is carried
+        over; the rest are the partition's own (``PARTITION_ONLY_SERVER_KEYS``). The API key goes
+        in as ``api_key`` (the launcher keeps it off the command line), the hub token as
+        ``HF_TOKEN`` in the server's environment.
+
+        Args:
+            port: the port the server listens on (on its target).
+            reasoning_parser: SGLang's ``--reasoning-parser`` (None: none).
+
+        Raises:
+            ServerConfigError: a setting ServerConfig rejects.
+        """
+        s = self.server
+        values = {k: getattr(s, k) for k in _LAUNCH_KEYS if getattr(s, k) is not None}
+        env = dict(s.env)
+        token = self.hub_token()
+        if token:
+            env["HF_TOKEN"] = token
+        values.update(model_path=self.model_path, port=port, env=env, extra_args=tuple(s.extra_args))
+        if reasoning_parser is not None:
+            values["reasoning_parser"] = reasoning_parser
+        api_key = self.api_key()
+        if api_key is not None:
+            values["api_key"] = api_key
+        return ServerConfig(**values)
+
+    def server_fingerprint(self) -> str:
+        """The rows' ``server`` column: what the generated text depends on.
+
+        Model, backend, parallelism and flags; not the port, pid or memory fraction (a relaunch at
+        a lower fraction produces the same rows), nor the reasoning parser (/generate returns the
+        raw text whatever the parser, and the split is recorded per row, so a rerun with a fixed
+        ``--reasoning-parser`` continues the output). A shared server is named by its URL.
+        """
+        if self.server_url is not None:
+            return f"external:{self.server_url}"
+        s = self.server
+        doc = [self.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args)]
+        return f"{s.backend}:{hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:12]}"
+
+    def server_gpus(self) -> list[int]:
+        """The GPUs the partition's server uses (``server.gpus``, else 0..tp_size-1): the only GPUs
+        the run's hygiene touches, so that another job on another GPU of a shared host survives."""
+        s = self.server
+        return ServerConfig(model_path=self.model_path, tp_size=s.tp_size, gpus=s.gpus).gpu_indexes()
 
     def api_key(self) -> str | None:
         """The server's ``--api-key``: the Prefect Secret block named in the config (when an API
@@ -170,7 +271,8 @@ class PartitionConfig:
 def _secret(block_name: str | None, env_var: str) -> str | None:
     if block_name:
         try:
-            from prefect.blocks.system import Secret
+            # Prefect reads its settings at import (the CLI sets them first): loaded only here.
+            from prefect.blocks.system import Secret  # noqa: PLC0415
 
             value = Secret.load(block_name).get()  # type: ignore[union-attr]
             if value:

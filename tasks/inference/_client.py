@@ -235,7 +235,8 @@ class GenerateClient:
                 headers=self._headers,
             )
         elif cfg.transport == "httpx-aiohttp":
-            from httpx_aiohttp import AiohttpTransport
+            # Optional transport (benchmarked against the default): loaded only when chosen.
+            from httpx_aiohttp import AiohttpTransport  # noqa: PLC0415
 
             limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
             self._transport = AiohttpTransport(limits=limits)

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import psutil
 
+from tasks.hygiene import clean_gpus
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
     API_KEY_ENV,
@@ -453,8 +454,6 @@ HygieneFn = Callable[..., Any]
 
 def _default_hygiene(target: str, gpus: list[int], extra_pids: list[int], grace_s: float) -> Any:
     """Narrow seam to tasks.hygiene (issue 4), so tests and flows can plug another in."""
-    from tasks.hygiene import clean_gpus
-
     return clean_gpus(target, gpus=gpus, grace_s=grace_s, extra_pids=tuple(extra_pids))
 
 

@@ -307,14 +307,13 @@ def test_secrets_from_environment_never_leak(prefect_server: PrefectServer, tmp_
 def test_flow_server_config_carries_secrets_but_never_shows_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The flow's ServerConfig holds the key and the hub token (for the server's environment), and
     its repr (what a log line or an exception would show) holds neither."""
-    from flows.stages import server_config
     from tasks.config import load_partition
     from tasks.server import API_KEY_ENV, launch_argv, launch_env
 
     key, token = f"sk-envkey-{uuid.uuid4().hex}", f"hf_envtoken{uuid.uuid4().hex}"
     monkeypatch.setenv("DATAGEN_API_KEY", key)
     monkeypatch.setenv("HF_TOKEN", token)
-    scfg = server_config(load_partition(str(_partition(tmp_path, ""))), 30000, "qwen3")
+    scfg = load_partition(str(_partition(tmp_path, ""))).server_config(30000, "qwen3")
     env = launch_env(scfg, base={})
     assert (env[API_KEY_ENV], env["HF_TOKEN"]) == (key, token)
     shown = repr(scfg) + " ".join(launch_argv(scfg, 0.88))

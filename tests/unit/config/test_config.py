@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import ConfigError, list_partitions, load_partition, project_root
+from tasks.config import ConfigError, Overrides, list_partitions, load_partition, project_root
 
 ROOT = project_root()
 
@@ -97,9 +97,9 @@ def test_overrides(tmp_path: Path) -> None:
     cfg = load_partition("all")
     inp = tmp_path / "my_set.jsonl"
     inp.write_text("{}\n")
-    o = cfg.with_overrides(inputs=[str(inp)], out=str(tmp_path / "out"), backend="emulator", shard_size=7,
-                           concurrency=3, mem_fraction_static=0.8, reasoning_parser="deepseek-r1",
-                           server_url="http://127.0.0.1:9/")
+    o = cfg.with_overrides(Overrides(inputs=(str(inp),), out=str(tmp_path / "out"), backend="emulator",
+                                     shard_size=7, concurrency=3, mem_fraction_static=0.8,
+                                     reasoning_parser="deepseek-r1", server_url="http://127.0.0.1:9/"))
     assert dict(o.datasets) == {"my_set": inp}
     assert o.output_root == tmp_path / "out" and o.versioned is False
     assert (o.server.backend, o.shard_size, o.concurrency) == ("emulator", 7, 3)
@@ -107,7 +107,7 @@ def test_overrides(tmp_path: Path) -> None:
     assert o.server_url == "http://127.0.0.1:9"
     assert cfg.shard_size == 500  # the loaded config is not changed
     for kwargs, fragment in [
-        ({"inputs": [str(tmp_path / "missing.jsonl")]}, "--input .*missing.jsonl: no such file"),
+        ({"inputs": (str(tmp_path / "missing.jsonl"),)}, "--input .*missing.jsonl: no such file"),
         ({"backend": "trt"}, "override: backend: 'trt' is not one of"),
         ({"shard_size": -1}, "override: shard_size: -1 is not a positive integer"),
         ({"mem_fraction_static": 0.0}, "override: mem_fraction_static"),
@@ -115,7 +115,7 @@ def test_overrides(tmp_path: Path) -> None:
         ({"reasoning_parser": "bogus"}, "unknown reasoning parser 'bogus'"),
     ]:
         with pytest.raises(ConfigError, match=fragment):
-            cfg.with_overrides(**kwargs)
+            cfg.with_overrides(Overrides(**kwargs))
 
 
 def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> None:

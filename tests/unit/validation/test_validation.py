@@ -493,16 +493,17 @@ def test_concurrent_gates_keep_every_shard_in_the_report(tmp_path):
 
 def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_path, emulator_factory):
     # The writer (tasks.inference) against the emulator with the demo model (qwen3 family, <think>).
-    from tasks.inference import DatasetSpec, run_dataset
+    from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
 
     em = emulator_factory([])
     src = tmp_path / "in.jsonl"
     src.write_text("".join((ROOT / "data/samples/glaive_like.jsonl").read_text().splitlines(True)[:24]))
     common = dict(model_dir=str(ROOT / "data/models/demo"), shard_size=12, concurrency=12,
-                  sampling={"max_new_tokens": 256}, server_fingerprint="fp", model_name="demo")
+                  sampling={"max_new_tokens": 256}, model_name="demo")
+    endpoint = Endpoint(em.url, "fp")
     good = tmp_path / "good"
-    run_dataset(DatasetSpec("glaive", src), good, em.url, reasoning_parser="auto",
-                on_shard_committed=lambda rec: gate_shard(good, "glaive", rec.index), **common)
+    run_dataset(DatasetSpec("glaive", src), good, endpoint, InferenceSettings(reasoning_parser="auto", **common),
+                on_shard_committed=lambda rec: gate_shard(good, "glaive", rec.index))
     report = validate_output(good)
     assert report.verdict == "pass", report.summary()
     assert report.rows == 24
@@ -514,8 +515,8 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
         gate_shard(bad, "glaive", rec.index)
 
     with pytest.raises(ValidationFailed) as err:
-        run_dataset(DatasetSpec("glaive", src), bad, em.url, reasoning_parser=None, on_shard_committed=gate,
-                    **common)
+        run_dataset(DatasetSpec("glaive", src), bad, endpoint, InferenceSettings(reasoning_parser=None, **common),
+                    on_shard_committed=gate)
     assert committed == [0]
     assert err.value.message.startswith("<think> left in content of 100% of 12 rows of shard 0 of glaive")
     assert failing(err.value.report.checks) == ["tag_leak"]
