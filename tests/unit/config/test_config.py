@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from pathlib import Path
 
 import pytest
 
-from tasks.config import ConfigError, Overrides, list_partitions, load_partition, project_root
+from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
+from tasks.config._model import PARTITION_ONLY_SERVER_KEYS
+from tasks.server import ServerConfig
 
 ROOT = project_root()
 
@@ -144,3 +149,89 @@ def test_max_relaunches_documented_as_one_budget_per_run() -> None:
         (line,) = [ln for ln in f.read_text().splitlines() if ln.startswith("max_relaunches")]
         assert "# server relaunches per run: one budget shared by all datasets" in line, f.name
         assert load_partition(f.stem).max_relaunches == 3
+
+
+def test_every_flow_parameter_is_an_override_and_every_override_a_flow_parameter() -> None:
+    from flows.datagen import datagen
+
+    params = [p for p in inspect.signature(datagen.fn).parameters if p != "partition"]
+    assert params == list(Overrides.names())
+    assert Overrides.from_mapping({"shard_size": 7, "inputs": ["a.jsonl"], "out": None, "other": 1}) == Overrides(
+        shard_size=7, inputs=("a.jsonl",))
+    assert Overrides(inputs=("a.jsonl",), backend="emulator").as_kwargs() == {"inputs": ["a.jsonl"],
+                                                                            "backend": "emulator"}
+
+
+def test_cli_options_are_the_overrides() -> None:
+    from datagen.cmd_run import build_parser, overrides_of
+
+    args = build_parser().parse_args(["--input", "x.jsonl", "--shard-size", "3", "--mem-fraction-static", "0.7",
+                                      "--reasoning-parser", "qwen3"])
+    assert overrides_of(args) == Overrides(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
+                                           reasoning_parser="qwen3")
+    dests = {a.dest for a in build_parser()._actions} - {"help", "partition"}
+    assert dests == set(Overrides.names())
+
+
+def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "alpha.parquet"
+    a.write_text("{}\n")
+    b.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"override: --input .*alpha\.parquet: a second input named 'alpha'"):
+        load_partition("all").with_overrides(Overrides(inputs=(str(a), str(b))))
+
+
+def test_unknown_server_key_names_the_file_and_the_key(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + "[server]\nmem_fraction_statc = 0.8\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.mem_fraction_statc: unknown key"):
+        load_partition(f)
+
+
+def test_server_config_carries_every_server_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = {f.name for f in dataclasses.fields(ServerSettings)} - PARTITION_ONLY_SERVER_KEYS
+    assert launch <= {f.name for f in dataclasses.fields(ServerConfig)}, "a [server] key ServerConfig lacks"
+    f = _write(tmp_path, BASE + """[server]
+backend = "emulator"
+targets = ["local"]
+tp_size = 2
+host = "127.0.0.2"
+port = 31000
+mem_fraction_static = 0.77
+served_model_name = "served"
+context_length = 4096
+max_running_requests = 17
+chunked_prefill_size = 512
+enable_hierarchical_cache = true
+hicache_size = 2.5
+hicache_ratio = 1.5
+gpus = [3, 1]
+extra_args = ["--emu-output-tokens", "9"]
+env = {FOO = "bar"}
+api_key_secret = "no-such-block"
+launch_deadline_s = 60
+python = "/usr/bin/python3"
+""")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("DATAGEN_API_KEY", "sk-k")
+    monkeypatch.setenv("HF_TOKEN", "hf-t")
+    cfg = load_partition(f)
+    scfg = cfg.server_config(30123, "qwen3")
+    for name in launch - {"port"}:
+        want = getattr(cfg.server, name)
+        got = getattr(scfg, name)
+        assert got == (dict(want, HF_TOKEN="hf-t") if name == "env" else want), name
+    assert (scfg.model_path, scfg.port, scfg.reasoning_parser, scfg.api_key) == (cfg.model_path, 30123, "qwen3", "sk-k")
+    assert cfg.server_gpus() == [3, 1]
+
+
+def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> None:
+    cfg = load_partition("demo")
+    same = dataclasses.replace(cfg, reasoning_parser="deepseek-r1",
+                               server=dataclasses.replace(cfg.server, port=31000, mem_fraction_static=0.6))
+    assert same.server_fingerprint() == cfg.server_fingerprint()
+    assert cfg.server_fingerprint().startswith("emulator:")
+    other = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, tp_size=cfg.server.tp_size + 1))
+    assert other.server_fingerprint() != cfg.server_fingerprint()
+    shared = cfg.with_overrides(Overrides(server_url="http://127.0.0.1:9/"))
+    assert shared.server_fingerprint() == "external:http://127.0.0.1:9"
