@@ -70,7 +70,7 @@ class RunContext:
         return InferenceSettings(
             shard_size=cfg.shard_size, concurrency=cfg.concurrency, sampling=dict(cfg.sampling),
             reasoning_parser=self.parser, model_dir=cfg.model_path,
-            model_name=cfg.server.served_model_name or Path(cfg.model_path).name,
+            model_name=cfg.server.launch.served_model_name or Path(cfg.model_path).name,
             run_info={"flow_run": self.run_id, "host": self.host},
         )
 

@@ -146,7 +146,7 @@ def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
     """The simulated GPUs of the run: those already set in the environment, else an emulator
     partition's ``[sim_gpus]`` under the output root, else none."""
     current = os.environ.get(SIM_GPUS_ENV)
-    if current or cfg.server.backend != "emulator" or cfg.sim_gpus is None:
+    if current or cfg.server.launch.backend != "emulator" or cfg.sim_gpus is None:
         return current or None
     s = cfg.sim_gpus
     return use_sim_gpus(root / "_sim-gpus.json", count=s.count, total_mib=s.total_mib, name=s.name,
@@ -188,7 +188,7 @@ def launch_server(ctx: RunContext) -> ServerHandle:
         LaunchFailed: no fraction worked, or a failure no fraction fixes (retried when transient).
     """
     cfg = ctx.cfg
-    port = cfg.server.port or (_free_port(cfg.server.host) if ctx.target == "local" else 30000)
+    port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else 30000)
 
     def on_started(pid: int, pgid: int) -> None:
         # Recorded before readiness: a flow SIGKILLed while this server loads leaves it running,

@@ -1,7 +1,8 @@
-"""Partition settings as frozen value objects, and command-line overrides of them.
+"""Partition settings as frozen value objects, and the overrides a run may apply to them.
 
 ``PartitionConfig`` is what ``load_partition`` (tasks.config._load) returns; ``with_overrides``
-applies ``datagen run`` options and deployment parameters with the same checks as the file.
+applies ``Overrides`` (``datagen run`` options, the flow's parameters) with the file's checks, and
+``server_config`` turns ``[server]`` into the ``ServerConfig`` that launches the server.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from tasks.server import ServerConfig
 
 __all__ = [
     "BACKENDS",
-    "PARTITION_ONLY_SERVER_KEYS",
+    "NOT_SERVER_KEYS",
+    "SERVER_KEYS",
     "Overrides",
     "PartitionConfig",
     "ServerSettings",
@@ -44,33 +46,32 @@ class SimGpuSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """``[server]``: how and where the inference server is launched (see tasks.server.ServerConfig)."""
+    """``[server]``: where the partition's server runs, and how it is launched.
 
-    backend: str = "sglang"
+    Args:
+        launch: every launch setting of ``[server]``, under ServerConfig's own names (``[server]``
+            keys map 1:1 onto its fields); ``PartitionConfig.server_config`` fills in the model
+            path, port, reasoning parser and API key of each launch.
+        targets: where the server may run (one server per GPU host).
+        port: the port to listen on; 0: a free one, picked at launch.
+        api_key_secret: the Prefect Secret block holding the server's API key.
+        hub_token_secret: the Prefect Secret block holding the model hub token.
+        launch_deadline_s: how long a launch may take to become ready.
+    """
+
+    launch: ServerConfig
     targets: tuple[str, ...] = ("local",)
-    tp_size: int = 1
-    host: str = "127.0.0.1"
     port: int = 0
-    mem_fraction_static: float | None = None
-    served_model_name: str | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = None
-    enable_hierarchical_cache: bool = False
-    hicache_size: float | None = None
-    hicache_ratio: float | None = None
-    gpus: tuple[int, ...] | None = None
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
     api_key_secret: str | None = None
     hub_token_secret: str | None = None
     launch_deadline_s: float = 900.0
-    python: str | None = None
 
 
-# [server] keys that are not launch settings of ServerConfig: where and how the partition runs it.
-PARTITION_ONLY_SERVER_KEYS = frozenset({"targets", "api_key_secret", "hub_token_secret", "launch_deadline_s"})
-_LAUNCH_KEYS = tuple(f.name for f in dataclasses.fields(ServerSettings) if f.name not in PARTITION_ONLY_SERVER_KEYS)
+# ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
+NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port"})
+# Every [server] key: ServerConfig's launch settings and the partition's own.
+SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+                        | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch"})
 
 
 @dataclass(frozen=True)
@@ -167,15 +168,16 @@ class PartitionConfig:
         changes: dict[str, Any] = {}
         if overrides.inputs:
             changes["datasets"] = _input_datasets(overrides.inputs, where)
+        launch: dict[str, Any] = {}
         if overrides.model_path is not None:
-            changes["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
+            changes["model_path"] = launch["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
         if overrides.out is not None:
             changes["output_root"] = Path(overrides.out).expanduser().resolve()
             changes["versioned"] = False
         if overrides.backend is not None:
             if overrides.backend not in BACKENDS:
                 raise ConfigError(f"{where}: backend: {overrides.backend!r} is not one of {', '.join(BACKENDS)}")
-            server = dataclasses.replace(server, backend=overrides.backend)
+            launch["backend"] = overrides.backend
         if overrides.server_url is not None:
             if not overrides.server_url.startswith(("http://", "https://")):
                 raise ConfigError(f"{where}: server_url: {overrides.server_url!r} is not an http(s) URL")
@@ -185,11 +187,10 @@ class PartitionConfig:
         if overrides.concurrency is not None:
             changes["concurrency"] = positive_int(overrides.concurrency, where, "concurrency")
         if overrides.mem_fraction_static is not None:
-            server = dataclasses.replace(
-                server, mem_fraction_static=fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
-            )
+            launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
         if overrides.reasoning_parser is not None:
             changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
+        server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
         out_cfg = dataclasses.replace(self, server=server, **changes)
         check_model(out_cfg, where)
         return out_cfg
@@ -197,10 +198,9 @@ class PartitionConfig:
     def server_config(self, port: int, reasoning_parser: str | None) -> ServerConfig:
         """The ``ServerConfig`` that launches this partition's server.
 
-        Every ``[server]`` setting that is a launch setting (same name in ServerConfig) is carried
-        over; the rest are the partition's own (``PARTITION_ONLY_SERVER_KEYS``). The API key goes
-        in as ``api_key`` (the launcher keeps it off the command line), the hub token as
-        ``HF_TOKEN`` in the server's environment.
+        The launch settings of ``[server]`` (``ServerSettings.launch``) with this launch's model
+        path, port and reasoning parser; the API key goes in as ``api_key`` (the launcher keeps it
+        off the command line), the hub token as ``HF_TOKEN`` in the server's environment.
 
         Args:
             port: the port the server listens on (on its target).
@@ -209,19 +209,13 @@ class PartitionConfig:
         Raises:
             ServerConfigError: a setting ServerConfig rejects.
         """
-        s = self.server
-        values = {k: getattr(s, k) for k in _LAUNCH_KEYS if getattr(s, k) is not None}
-        env = dict(s.env)
+        launch = self.server.launch
+        env = dict(launch.env)
         token = self.hub_token()
         if token:
             env["HF_TOKEN"] = token
-        values.update(model_path=self.model_path, port=port, env=env, extra_args=tuple(s.extra_args))
-        if reasoning_parser is not None:
-            values["reasoning_parser"] = reasoning_parser
-        api_key = self.api_key()
-        if api_key is not None:
-            values["api_key"] = api_key
-        return ServerConfig(**values)
+        return dataclasses.replace(launch, model_path=self.model_path, port=port, env=env,
+                                   reasoning_parser=reasoning_parser, api_key=self.api_key())
 
     def server_fingerprint(self) -> str:
         """The rows' ``server`` column: what the generated text depends on.
@@ -233,15 +227,14 @@ class PartitionConfig:
         """
         if self.server_url is not None:
             return f"external:{self.server_url}"
-        s = self.server
+        s = self.server.launch
         doc = [self.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args)]
         return f"{s.backend}:{hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:12]}"
 
     def server_gpus(self) -> list[int]:
         """The GPUs the partition's server uses (``server.gpus``, else 0..tp_size-1): the only GPUs
         the run's hygiene touches, so that another job on another GPU of a shared host survives."""
-        s = self.server
-        return ServerConfig(model_path=self.model_path, tp_size=s.tp_size, gpus=s.gpus).gpu_indexes()
+        return self.server.launch.gpu_indexes()
 
     def api_key(self) -> str | None:
         """The server's ``--api-key``: the Prefect Secret block named in the config (when an API
@@ -258,7 +251,7 @@ class PartitionConfig:
             "partition": self.name,
             "datasets": {k: str(v) for k, v in self.datasets.items()},
             "model_path": self.model_path,
-            "backend": self.server.backend,
+            "backend": self.server.launch.backend,
             "targets": list(self.targets),
             "server_url": self.server_url,
             "shard_size": self.shard_size,
@@ -286,7 +279,7 @@ def _secret(block_name: str | None, env_var: str) -> str | None:
 def check_model(cfg: PartitionConfig, where: str) -> None:
     """Raises ``ConfigError`` when a local emulator's model directory has no config.json."""
     # The sglang model dir lives on the target host (maybe remote): only a local emulator's can be checked.
-    if cfg.server_url is None and cfg.server.backend == "emulator" and cfg.targets == ("local",):
+    if cfg.server_url is None and cfg.server.launch.backend == "emulator" and cfg.targets == ("local",):
         if not Path(cfg.model_path, "config.json").is_file():
             raise ConfigError(f"{where}: model.path: {cfg.model_path} has no config.json")
 

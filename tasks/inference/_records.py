@@ -36,7 +36,7 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class ShardProgress:
-    """Progress after a shard commit (issue 6 item 9). Token rates are over the shard's wall time."""
+    """Progress after a shard commit. Token rates are over the shard's wall time."""
 
     dataset: str
     shard: int

@@ -2,7 +2,7 @@
 
 ``launch_tuned(cfg, target, log_dir)`` starts a server with a tuned ``--mem-fraction-static`` and
 returns its ``ServerHandle``; ``stop_server`` ends its process group and cleans its GPUs;
-``HangWatchdog`` kills a server that lives but no longer answers.
+``HangWatchdog`` kills a server that lives but answers nothing.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
-from tasks.config._model import PARTITION_ONLY_SERVER_KEYS
+from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS
 from tasks.server import ServerConfig
 
 ROOT = project_root()
@@ -22,13 +23,13 @@ def test_bundled_partitions_load_and_cover_every_sample() -> None:
     all_cfg = load_partition("all")
     assert set(all_cfg.datasets) == samples
     assert all(p.is_file() and p.is_absolute() for p in all_cfg.datasets.values())
-    assert all_cfg.versioned is True and all_cfg.server.backend == "sglang"
+    assert all_cfg.versioned is True and all_cfg.server.launch.backend == "sglang"
     for name in samples:
         cfg = load_partition(name)
         assert list(cfg.datasets) == [name]
         assert cfg.output_root == ROOT / "data" / "out" / name
     demo = load_partition("demo")
-    assert demo.server.backend == "emulator" and demo.sim_gpus is not None
+    assert demo.server.launch.backend == "emulator" and demo.sim_gpus is not None
     assert demo.sim_gpus.count == 8 and demo.versioned is False
     assert demo.model_path == str(ROOT / "data" / "models" / "demo")
 
@@ -107,8 +108,8 @@ def test_overrides(tmp_path: Path) -> None:
                                      reasoning_parser="deepseek-r1", server_url="http://127.0.0.1:9/"))
     assert dict(o.datasets) == {"my_set": inp}
     assert o.output_root == tmp_path / "out" and o.versioned is False
-    assert (o.server.backend, o.shard_size, o.concurrency) == ("emulator", 7, 3)
-    assert o.server.mem_fraction_static == 0.8 and o.reasoning_parser == "deepseek-r1"
+    assert (o.server.launch.backend, o.shard_size, o.concurrency) == ("emulator", 7, 3)
+    assert o.server.launch.mem_fraction_static == 0.8 and o.reasoning_parser == "deepseek-r1"
     assert o.server_url == "http://127.0.0.1:9"
     assert cfg.shard_size == 500  # the loaded config is not changed
     for kwargs, fragment in [
@@ -187,9 +188,14 @@ def test_unknown_server_key_names_the_file_and_the_key(tmp_path: Path) -> None:
         load_partition(f)
 
 
+def test_server_keys_are_server_config_fields_and_the_partition_own() -> None:
+    launch = {f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+    own = {f.name for f in dataclasses.fields(ServerSettings)} - {"launch"}
+    assert SERVER_KEYS == launch | own
+    assert NOT_SERVER_KEYS <= {f.name for f in dataclasses.fields(ServerConfig)}
+
+
 def test_server_config_carries_every_server_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    launch = {f.name for f in dataclasses.fields(ServerSettings)} - PARTITION_ONLY_SERVER_KEYS
-    assert launch <= {f.name for f in dataclasses.fields(ServerConfig)}, "a [server] key ServerConfig lacks"
     f = _write(tmp_path, BASE + """[server]
 backend = "emulator"
 targets = ["local"]
@@ -201,13 +207,20 @@ served_model_name = "served"
 context_length = 4096
 max_running_requests = 17
 chunked_prefill_size = 512
+trust_remote_code = true
 enable_hierarchical_cache = true
 hicache_size = 2.5
 hicache_ratio = 1.5
+speculative_algorithm = "EAGLE3"
+speculative_draft_model_path = "/models/draft"
+speculative_num_steps = 3
+speculative_eagle_topk = 1
+speculative_num_draft_tokens = 4
 gpus = [3, 1]
 extra_args = ["--emu-output-tokens", "9"]
 env = {FOO = "bar"}
 api_key_secret = "no-such-block"
+hub_token_secret = "no-such-block-either"
 launch_deadline_s = 60
 python = "/usr/bin/python3"
 """)
@@ -216,22 +229,34 @@ python = "/usr/bin/python3"
     monkeypatch.setenv("DATAGEN_API_KEY", "sk-k")
     monkeypatch.setenv("HF_TOKEN", "hf-t")
     cfg = load_partition(f)
+    launch_keys = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
+    assert launch_keys == {f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+    written = tomllib.loads(f.read_text())["server"]
+    assert set(written) == SERVER_KEYS, "the test must set every [server] key"
     scfg = cfg.server_config(30123, "qwen3")
-    for name in launch - {"port"}:
-        want = getattr(cfg.server, name)
-        got = getattr(scfg, name)
-        assert got == (dict(want, HF_TOKEN="hf-t") if name == "env" else want), name
+    for name in launch_keys:
+        want = written[name]
+        want = tuple(want) if isinstance(want, list) else dict(want, HF_TOKEN="hf-t") if name == "env" else want
+        assert getattr(scfg, name) == want, name
     assert (scfg.model_path, scfg.port, scfg.reasoning_parser, scfg.api_key) == (cfg.model_path, 30123, "qwen3", "sk-k")
+    assert (cfg.server.port, cfg.server.launch_deadline_s, cfg.server.targets) == (31000, 60.0, ("local",))
     assert cfg.server_gpus() == [3, 1]
+
+
+def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + '[server]\nspeculative_num_steps = 3\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*speculative_algorithm"):
+        load_partition(f)
 
 
 def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> None:
     cfg = load_partition("demo")
-    same = dataclasses.replace(cfg, reasoning_parser="deepseek-r1",
-                               server=dataclasses.replace(cfg.server, port=31000, mem_fraction_static=0.6))
+    same = dataclasses.replace(cfg, reasoning_parser="deepseek-r1", server=dataclasses.replace(
+        cfg.server, port=31000, launch=dataclasses.replace(cfg.server.launch, mem_fraction_static=0.6)))
     assert same.server_fingerprint() == cfg.server_fingerprint()
     assert cfg.server_fingerprint().startswith("emulator:")
-    other = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, tp_size=cfg.server.tp_size + 1))
+    launch = dataclasses.replace(cfg.server.launch, tp_size=cfg.server.launch.tp_size + 1)
+    other = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, launch=launch))
     assert other.server_fingerprint() != cfg.server_fingerprint()
     shared = cfg.with_overrides(Overrides(server_url="http://127.0.0.1:9/"))
     assert shared.server_fingerprint() == "external:http://127.0.0.1:9"
