@@ -3,8 +3,8 @@
 Each task adds what Prefect is for: a run name saying which host/dataset it works on, retries
 where a retry can help (chosen per error type by ``retry_condition_fn``), and artifacts. Results
 are never cached or persisted (``cache_policy=NONE``): a rerun resumes from what is committed on
-disk, which is the only source of truth. Every task but ``load_config`` and ``prepare_run`` takes
-the run's ``RunContext``.
+disk, which is the only source of truth. The tasks after ``load_config`` and ``prepare_run`` take
+the run's ``RunContext`` (``promote``: its plan).
 
 Not retried: configuration errors, validation failures, a changed input, a locked output, a model
 or flag the server rejects, a server that died or stopped answering (``ServerGone``: the server
