@@ -30,6 +30,7 @@ __all__ = [
     "SimGpuOutOfMemory",
     "SimGpus",
     "sim_path_from_env",
+    "use_sim_gpus",
 ]
 
 
@@ -49,6 +50,22 @@ class SimGpuOutOfMemory(SimGpuError):
             f"simulated GPU {gpu}: cannot allocate {requested_mib} MiB, "
             f"{free_mib} MiB free of {total_mib} MiB"
         )
+
+
+def use_sim_gpus(path: str | os.PathLike[str], *, count: int, total_mib: int, name: str | None = None,
+                 release_delay_s: float = 0.0) -> str:
+    """Point this process and its children at the simulated GPUs in ``path`` (``ENV_VAR``),
+    creating them when the file does not exist yet; returns the path.
+
+    Raises:
+        SimGpuError: ``count`` or ``total_mib`` is out of range.
+    """
+    if not os.path.exists(path):
+        SimGpus.init(path, count=count, total_mib=total_mib, name=name or DEFAULT_NAME,
+                     release_delay_s=release_delay_s)
+    # The server, its schedulers and hygiene (all children of this process) read the same file.
+    os.environ[ENV_VAR] = os.fspath(path)
+    return os.fspath(path)
 
 
 def sim_path_from_env() -> str | None:

@@ -12,6 +12,18 @@ import socket
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+# Prefect's public `concurrency()` hides the lease id; these are the pieces it is built from.
+from prefect.concurrency._leases import maintain_concurrency_lease
+from prefect.concurrency._sync import (
+    acquire_concurrency_slots_with_lease,
+    release_concurrency_slots_with_lease,
+)
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 __all__ = ["LEASE_S", "ensure_limits", "gpu_slots", "host_of", "limit_name", "release_lease"]
 
@@ -34,10 +46,6 @@ def limit_name(target: str) -> str:
 def ensure_limits(names: Iterable[str]) -> list[str]:
     """Create each missing global concurrency limit with limit 1; existing ones are left as they
     are (an operator may have changed them). Returns the names created. Needs a Prefect API."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
     created: list[str] = []
     with get_client(sync_client=True) as client:
         for name in names:
@@ -67,13 +75,6 @@ def gpu_slots(targets: Iterable[str], timeout_s: float | None = None,
     if not names:
         yield names
         return
-    # Prefect's public `concurrency()` hides the lease id; these are the pieces it is built from.
-    from prefect.concurrency._leases import maintain_concurrency_lease
-    from prefect.concurrency._sync import (
-        acquire_concurrency_slots_with_lease,
-        release_concurrency_slots_with_lease,
-    )
-
     lease = acquire_concurrency_slots_with_lease(names, 1, timeout_seconds=timeout_s, strict=True,
                                                  lease_duration=LEASE_S)
     if on_lease is not None:
@@ -87,10 +88,6 @@ def gpu_slots(targets: Iterable[str], timeout_s: float | None = None,
 
 def release_lease(lease_id: str) -> bool:
     """Release a lease a dead run left behind (crash hook). False when it was already gone."""
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-
     try:
         with get_client(sync_client=True) as client:
             client.release_concurrency_slots_with_lease(UUID(lease_id))

@@ -23,6 +23,8 @@ File layout (every table but ``[datasets]`` optional)::
     mem_fraction_static = 0.88      # where the tuner starts when it has learned nothing yet
     api_key_secret = "datagen-api-key"   # Prefect Secret block; else env DATAGEN_API_KEY
     extra_args = []                 # further launch_server flags (or --emu-* for the emulator)
+    # any other launch setting of tasks.server.ServerConfig, under its name (e.g. context_length,
+    # speculative_algorithm, trust_remote_code); an unknown key is an error
 
     [sim_gpus]                      # emulator only: simulated GPUs created when none exist
     count = 8
@@ -47,20 +49,23 @@ datasets remain.
     root = "data/out/all"
     versioned = true                # nightly: a new dated directory per run, `latest` -> last good
 
-This module is the public surface; the parts live next to it: ``config_model`` (the settings value
-objects and overrides), ``config_load`` (finding and parsing files) and ``config_checks`` (value
-checks and ``ConfigError``).
+Runs override some settings with ``Overrides`` (``PartitionConfig.with_overrides``): the flow's
+parameters and ``datagen run``'s options are its fields. ``PartitionConfig.server_config`` builds the
+``tasks.server.ServerConfig`` that launches the partition's server from ``[server]``. The parts:
+``_model`` (the settings value objects and overrides), ``_load`` (finding and parsing files) and
+``_checks`` (value checks and ``ConfigError``).
 """
 
 from __future__ import annotations
 
 from tasks.config._checks import ConfigError
 from tasks.config._load import deployments_dir, list_partitions, load_partition, project_root, state_dir
-from tasks.config._model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings
+from tasks.config._model import BACKENDS, Overrides, PartitionConfig, ServerSettings, SimGpuSettings
 
 __all__ = [
     "BACKENDS",
     "ConfigError",
+    "Overrides",
     "PartitionConfig",
     "ServerSettings",
     "SimGpuSettings",

@@ -1,15 +1,7 @@
 """Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
 
-Transport: raw aiohttp + orjson by default, chosen by measurement (bench/bench_client.py against
-the zero-latency emulator on 2 cores; figures in the README). httpx is the project's client per the
-design card, and both httpx variants stay selectable with ``ClientConfig.transport``:
-
-- ``"aiohttp"`` (default): ~200 us of client CPU per row end to end (render, request, split,
-  journal), which keeps ``run_dataset`` at ~0.6-0.7x a bare aiohttp loop, above the 0.5x target;
-- ``"httpx-aiohttp"``: ``httpx.Request``/``httpx.Response`` sent straight to
-  ``httpx_aiohttp.AiohttpTransport`` (skipping ``AsyncClient.send``'s per-request URL/header/cookie
-  merging): ~285 us per row, ~0.5x the bare loop, so it misses the target on a loaded host;
-- ``"httpx"``: ``httpx.AsyncClient`` with its default transport (httpcore): ~10x slower per request.
+Transport: raw aiohttp + orjson by default (the README's Decisions give the measurements); both
+httpx variants stay selectable with ``ClientConfig.transport`` ("httpx-aiohttp", "httpx").
 
 Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx,
 a 400 "Duplicate request ID" (a retry racing its own timed-out predecessor) and an ``abort`` finish
@@ -237,7 +229,8 @@ class GenerateClient:
                 headers=self._headers,
             )
         elif cfg.transport == "httpx-aiohttp":
-            from httpx_aiohttp import AiohttpTransport
+            # Optional transport (benchmarked against the default): loaded only when chosen.
+            from httpx_aiohttp import AiohttpTransport  # noqa: PLC0415
 
             limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
             self._transport = AiohttpTransport(limits=limits)

@@ -1,8 +1,7 @@
-"""SGLang server lifecycle: launch, readiness and a clean stop (the public face of tasks.server_*).
+"""SGLang server lifecycle: launch, readiness and a clean stop.
 
-Modules: ``tasks.server._config`` (ServerConfig, the command line, the API-key bootstrap),
-``tasks.server._log`` (failure classifier, startup progress, LaunchFailed), ``tasks.server._remote``
-(ssh:// and pct:// targets); every public name of those is importable from here.
+The parts next to it: ``_config`` (ServerConfig, the command line, the API-key bootstrap), ``_log``
+(failure classifier, startup progress, LaunchFailed), ``_remote`` (ssh:// and pct:// targets).
 
 Errors::
 
@@ -15,7 +14,7 @@ Errors::
 
 The server runs in its own session (process group), so stopping it is one ``killpg`` that reaches
 every scheduler, even one reparented to PID 1. Readiness is ``/health_generate`` answering 200 while
-the process is alive (shared/reference/sglang.md); a 200 from anything else proves nothing.
+the process is alive; a 200 from anything else proves nothing.
 
 API key: never on a command line, locally or on a target (see tasks.server._config); the server's log
 has it replaced by ``***``. Remote targets (``ssh://``, ``pct://``): the server runs detached on the
@@ -38,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from tasks.hygiene import clean_gpus
 from tasks.procs import group_pids, live_pids, terminate_group
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
@@ -402,9 +402,7 @@ HygieneFn = Callable[..., Any]
 
 
 def _default_hygiene(target: str, gpus: list[int], extra_pids: list[int], grace_s: float) -> Any:
-    """Narrow seam to tasks.hygiene (issue 4), so tests and flows can plug another in."""
-    from tasks.hygiene import clean_gpus
-
+    """Narrow seam to tasks.hygiene, so that tests and flows can plug another in."""
     return clean_gpus(target, gpus=gpus, grace_s=grace_s, extra_pids=tuple(extra_pids))
 
 
