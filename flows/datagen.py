@@ -1,30 +1,10 @@
 """The `datagen` flow: clean GPUs -> launch (tuned) -> health -> inference per dataset (validation
 gate per committed shard) -> validate the output -> (nightly) promote `latest`.
 
-Thin by design: every line calls a stage task (flows/stages.py), enters the server session
-(flows/session.py) or holds a lock. Recovery:
-- a server that dies or hangs mid-run (``ServerGone``): the server session relaunches it within
-  ``run.max_relaunches``, one budget for the whole run shared by all its datasets, and inference
-  resumes from the committed shards and journals;
-- transient errors inside a task: task retries with backoff (``retry_condition_fn`` keeps
-  validation failures and configuration errors from being retried);
-- the flow itself has no retries (Prefect retries a flow whatever the error, validation failures
-  included); any new run resumes from disk instead: tasks are idempotent, results never cached;
-- failure, crash (SIGKILL under a worker) or cancellation: ``cleanup_hook`` runs GPU hygiene on the
-  partition's targets; the body's try/finally stops the server it started.
-
-Locks: the output directory's ``_lock`` (one writer per output) is taken before anything touches
-a GPU, then ``gpu:<host>`` (one server per host) while the server lives. The slot's lease id and
-this flow process (host, pid, start time) go to the run record (flows/runrecord.py): the crash hook
-releases the lease of a run SIGKILLed under a worker, and, since a SIGKILLed plain `datagen run`
-gets no hook, every run first releases the leases of this machine's recorded runs whose flow
-process is dead, instead of waiting 60-75 s for them to expire. Each server goes to the record as
-soon as its process exists (before readiness), so the next run also ends, by process group, the
-servers of dead runs (pid and start time checked) before its before-launch hygiene.
-
-Hygiene scope: the before-launch and relaunch passes (and the hooks) clean only the GPUs the
-partition's server uses (``server.gpus``, else 0..tp_size-1): on a shared host, another job on
-another GPU is spared and listed as such in the hygiene artifact.
+Each line of the body calls a stage task (flows/stages.py), enters the server session
+(flows/session.py) or holds a lock: the output's `_lock`, then `gpu:<host>` while a server lives.
+Recovery, the run records and the hygiene scope are in the README's Decisions (Flow, Run records,
+GPU hygiene).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
+"""Async client for SGLang's native ``POST /generate``, with retries that know SGLang.
 
-Transport: raw aiohttp + orjson by default (the README's Decisions give the measurements); both
-httpx variants stay selectable with ``ClientConfig.transport`` ("httpx-aiohttp", "httpx").
-
-Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx,
-a 400 "Duplicate request ID" (a retry racing its own timed-out predecessor) and an ``abort`` finish
-are retried with exponential backoff and jitter, up to ``max_attempts``; then the server is
-considered gone. SGLang's 503 "The request queue is full." (alive, overloaded) is retried up to
-``max_overload_retries`` more times before it counts. Other 4xx are never retried.
-
-Liveness: a client given ``server_alive`` (a callable, e.g. the launcher's ``ServerHandle.is_alive``)
-consults it when a request fails at the transport level (refused, reset, timeout). When the server
-process is known dead, retrying is pointless: ``ServerGone`` is raised at once (one check is shared by
-every request failing at the same moment) instead of after ``max_attempts`` backoffs (~9.5 s with
-the defaults). A live server, or a check that raises, keeps the retry path.
+Transport: aiohttp + orjson by default; ``ClientConfig.transport`` selects the httpx variants. The
+retry policy (transport errors, timeouts, 5xx, ``abort`` finishes; 503 "queue full" on its own
+budget; never other 4xx) and the liveness short-cut are in the README's Decisions (Retries).
 
 Errors::
 

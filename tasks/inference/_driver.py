@@ -1,26 +1,9 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
-``run_dataset`` holds the output's lock (or reuses the caller's), binds the dataset to its input
-fingerprint and the shard size (``InputChanged`` otherwise), undoes half-finished commits, then
-streams the input once:
-
-- records of committed shards are skipped; in an open shard, ids already in the journal are skipped
-  (they are not regenerated; rows journaled under another reasoning parser are split again from their
-  raw text when the shard commits);
-- input rejects, over-long prompts (HTTP 400 from the server) and template failures are journaled
-  as rejects; every finished generation is journaled as a row the moment it arrives;
-- when every record of a shard's slice is accounted for, the shard is committed (tasks.shards) in a
-  worker thread, ``on_shard_committed(ShardRecord)`` runs, then ``progress(ShardProgress)``.
-
-Requests are issued by ``concurrency`` worker tasks fed through a bounded queue, so memory is flat in
-the dataset size: the input is streamed, and only in-flight items and per-open-shard counters live
-in memory. Shards commit out of order when a straggler holds one back; the workers never wait for
-a commit, which keeps the server's batch full.
-
-The parts live next to it: ``_settings`` (Endpoint, InferenceSettings), ``_records`` (DatasetSpec,
-DatasetResult, ShardProgress), ``_rows`` (journal rows, rejects, the reasoning split) and ``_pool``
-(the reader, the workers, the commits). Errors: see ``run_dataset``; whatever ``on_shard_committed``
-raises leaves the shard it was called for committed, and nothing else is lost.
+``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
+undoes half-finished commits, then streams the input once: committed shards and journaled ids are
+skipped, every generation is journaled as it arrives, and a shard commits once its whole slice is
+accounted for. Memory is flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""SGLang server lifecycle: launch, readiness and a clean stop.
+"""SGLang server lifecycle: launch in its own session, readiness, and a clean stop.
 
-The parts next to it: ``_config`` (ServerConfig, the command line, the API-key bootstrap), ``_log``
-(failure classifier, startup progress, LaunchFailed), ``_remote`` (ssh:// and pct:// targets).
+Readiness is ``/health_generate`` answering 200 while the launched process lives; a stop is one
+process-group termination followed by GPU hygiene. Why: README Decisions (Server launch, API key).
 
 Errors::
 
     ServerError
     ├── ServerConfigError   the config is invalid (raised by ServerConfig itself)
     ├── LaunchFailed        the server exited, hung past the deadline, or could not be started;
-    │                       carries .failure (kind + one-line explanation), .log_tail, .exit_status,
-    │                       .attempts (filled in by the tuner), .log_path
+    │                       carries .failure, .log_tail, .exit_status, .attempts, .log_path
     └── StopFailed          the group was killed but hygiene did not verify the GPUs clean
-
-The server runs in its own session (process group), so stopping it is one ``killpg`` that reaches
-every scheduler, even one reparented to PID 1. Readiness is ``/health_generate`` answering 200 while
-the process is alive; a 200 from anything else proves nothing.
-
-API key: never on a command line, locally or on a target (see tasks.server._config); the server's log
-has it replaced by ``***``. Remote targets (``ssh://``, ``pct://``): the server runs detached on the
-target bound to its loopback, reached through an SSH port forward (see tasks.server._remote).
 """
 
 from __future__ import annotations
