@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
@@ -235,13 +236,13 @@ python = "/usr/bin/python3"
     monkeypatch.setenv("HF_TOKEN", "hf-t")
     # No Prefect API answers here (a closed loopback port): the secret blocks fall back to the
     # environment at once, without Prefect starting a temporary server for the lookup.
-    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{free_port()}/api")
-    cfg = load_partition(f)
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        cfg = load_partition(f)
+        scfg = cfg.server_config(30123, "qwen3")
     launch_keys = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
     assert launch_keys == {f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
     written = tomllib.loads(f.read_text())["server"]
     assert set(written) == SERVER_KEYS, "the test must set every [server] key"
-    scfg = cfg.server_config(30123, "qwen3")
     for name in launch_keys:
         want = written[name]
         want = tuple(want) if isinstance(want, list) else dict(want, HF_TOKEN="hf-t") if name == "env" else want
