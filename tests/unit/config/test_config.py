@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
@@ -236,7 +236,7 @@ python = "/usr/bin/python3"
     monkeypatch.setenv("HF_TOKEN", "hf-t")
     # No Prefect API answers here (a closed loopback port): the secret blocks fall back to the
     # environment at once, without Prefect starting a temporary server for the lookup.
-    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
         cfg = load_partition(f)
         scfg = cfg.server_config(30123, "qwen3")
     launch_keys = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
