@@ -286,5 +286,16 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
     report = ValidationReport(str(out), datasets, thr, samples=samples)
     report.elapsed_s = time.perf_counter() - started
     if write:
-        write_json(out / REPORT_NAME, report.to_dict())
+        write_report(out, report)
     return report
+
+
+def write_report(out_dir: str | os.PathLike[str], report: ValidationReport) -> Path:
+    """Write ``report`` to ``OUT/_validation.json`` atomically; returns the path.
+
+    Raises:
+        OSError: the file cannot be written (``UnsafeFile`` for a planted link or foreign file).
+    """
+    path = Path(out_dir) / REPORT_NAME
+    write_json(path, report.to_dict())
+    return path
