@@ -11,6 +11,9 @@ Layout::
 Shard k of a dataset is the slice ``[k*S, (k+1)*S)`` of its input records. A commit appends the
 rejects, writes the Parquet file, rewrites the manifest and removes the journal, each step durable
 before the next; ``OutputDir.recover()`` undoes what a crash between two steps leaves behind.
+``OutputDir.rebuild_dataset()`` records shard files a lost manifest no longer lists, once each is
+proven to be its input slice; ``OutputDir.repair()`` un-commits shards whose files are missing or
+changed.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.shards import OutputDir
+from tasks.validation import validate_output
 from tests.support.outputs import clean_output, clean_rows, write_output
 from tests.support.paths import REPO_ROOT
 
@@ -122,3 +123,15 @@ def test_validate_refuses_a_planted_report_symlink(tmp_path: Path) -> None:
     assert f"datagen validate: refusing to write {out / '_validation.json'}: it is a symbolic link to {victim}" \
         in proc.stderr
     assert victim.read_text() == "keep me\n"
+
+
+def test_validation_of_a_changed_or_missing_shard_names_datagen_repair(output: Path) -> None:
+    _damage(output)
+    # shard 3: readable, but not the bytes committed
+    (output / "ds" / "shard-00003.parquet").write_bytes((output / "ds" / "shard-00002.parquet").read_bytes())
+    report = validate_output(output, write=False)
+    messages = [c.message for s in report.datasets[0].shards for c in s.checks if c.status == "fail"]
+    fix = f"run `datagen repair {output}` to un-commit it: the next run generates it again"
+    assert any(m.startswith("shard 1 of ds: cannot read ") and m.endswith(fix) for m in messages), messages
+    assert any(m.startswith("the file's sha256 differs from the manifest (changed after commit)") and
+               m.endswith(fix) for m in messages), messages
