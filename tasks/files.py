@@ -84,7 +84,8 @@ def open_for_write(path: Path | str, flags: int, mode: int = 0o644) -> int:
         OSError: the file cannot be opened.
     """
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        # O_NONBLOCK: opening a planted FIFO for writing would otherwise wait for a reader forever.
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         # ELOOP is how O_NOFOLLOW reports a symlink; a FIFO or socket fails in other ways.
         why = None
@@ -101,6 +102,8 @@ def open_for_write(path: Path | str, flags: int, mode: int = 0o644) -> int:
     if why is not None:
         os.close(fd)
         raise UnsafeFile(path, why)
+    if not flags & os.O_NONBLOCK:
+        os.set_blocking(fd, True)
     return fd
 
 

@@ -6,6 +6,7 @@ The refusal is ``tasks.files.UnsafeFile``, an ``OSError``; the tests catch ``OSE
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,25 @@ def test_append_durable_refuses_a_symlink(tmp_path: Path, victim: Path) -> None:
     with pytest.raises(OSError):
         append_durable(link, b"row\n")
     assert victim.read_bytes() == SECRET
+
+
+def test_a_planted_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    out = OutputDir(tmp_path / "out")
+    with out.lock():
+        out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=2)
+        out.rejects_path("ds").parent.mkdir(parents=True)
+        os.mkfifo(out.rejects_path("ds"))
+        errors: list[BaseException] = []
+
+        def commit() -> None:
+            try:
+                out.commit_shard("ds", 0, [_row(0)], [{"line": 2, "reason": "bad", "raw": "x"}])
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=commit, daemon=True)  # without a reader, a blocking open never returns
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the commit waits for a reader of the planted FIFO"
+    assert len(errors) == 1 and isinstance(errors[0], OSError)
+    assert str(errors[0]).startswith(f"refusing to write {out.rejects_path('ds')}: it is not a regular file")
