@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "clean-gpus": ("datagen.cmd_clean_gpus", "GPU hygiene alone: find, kill and verify GPU holders"),
     "validate": ("datagen.cmd_validate", "validate an output directory"),
     "status": ("datagen.cmd_status", "shards committed/total, rows, lock holder, learned memory fraction"),
+    "repair": ("datagen.cmd_repair", "un-commit missing or damaged shards so the next run regenerates them"),
     "resplit": ("datagen.cmd_resplit", "re-derive reasoning/content from stored raw text"),
     "export": ("datagen.cmd_export", "export an output as sharegpt / openai-messages JSONL"),
     "emulator": ("emulator.cli", "the SGLang stand-in (takes sglang.launch_server flags + --emu-...)"),

@@ -12,7 +12,8 @@ Exit codes: 0 the run completed (validation passed); 1 the run failed (hygiene, 
 or validation; the message says which); 2 usage or configuration error (a missing input names its
 path), a target that cannot be reached, an output written from another input or shard size, or
 the output is locked by another run (refused at once, naming the lock holder), as `datagen resplit`
-does.
+does, a committed shard whose file is missing or changed (`datagen repair OUT` un-commits it), or
+shard files that no manifest records and that are not this input's slices.
 """
 
 from __future__ import annotations

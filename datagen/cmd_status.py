@@ -2,11 +2,16 @@
 
     datagen status OUT_DIR [--json]
 
-Prints shards committed/total and rows per dataset, open journals, the lock holder (host, pid,
-flow run) when a live process holds ``OUT/_lock``, the last validation verdict, and the
-``--mem-fraction-static`` values tasks.server._tuner remembers (with headroom and runtime OOMs).
+Prints shards committed/total and rows per dataset, open journals, committed shards whose file is
+missing or fails its sha256, the lock holder (host, pid, flow run) when a live process holds
+``OUT/_lock``, the last validation verdict, and the ``--mem-fraction-static`` values
+tasks.server._tuner remembers (with headroom and runtime OOMs).
 
-Exit codes: 0 printed; 2 OUT_DIR is not a datagen output (no manifest) or usage error.
+Exit codes:
+  0  printed; every committed shard matches the manifest
+  1  printed; a committed shard is missing or damaged (listed; `datagen repair OUT_DIR` un-commits
+     it so the next run generates it again)
+  2  OUT_DIR is not a datagen output (no or unreadable manifest) or usage error
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.server import list_remembered
 from tasks.shards import OutputDir
 
@@ -37,6 +42,7 @@ def status(out: Path) -> dict[str, Any]:
             "rejects": sum(int(s.get("rejects", 0)) for s in shards.values()),
             "total_rows": ds.get("total_rows"),
             "open_journals": od.open_journals(name),
+            "damaged": [d.to_dict() for d in od.damaged_shards(name)],
         }
     validation = None
     vpath = out / "_validation.json"
@@ -58,8 +64,13 @@ def render(doc: dict[str, Any]) -> str:
     for name, d in doc["datasets"].items():
         total = d["shards_total"] if d["shards_total"] is not None else "?"
         journals = f", open journals {d['open_journals']}" if d["open_journals"] else ""
-        lines.append(f"  {name}: {d['shards_committed']}/{total} shards, {d['rows']} rows, "
+        damaged = f", {len(d['damaged'])} damaged" if d["damaged"] else ""
+        lines.append(f"  {name}: {d['shards_committed']}/{total} shards{damaged}, {d['rows']} rows, "
                      f"{d['rejects']} rejects{journals}")
+        lines.extend(f"    damaged shard {x['shard']} ({x['file']}): {x['problem']}" for x in d["damaged"])
+    if any(d["damaged"] for d in doc["datasets"].values()):
+        lines.append(f"damaged shards: run `datagen repair {doc['out_dir']}` to un-commit them; the next run "
+                     f"generates them again")
     holder = doc["lock_holder"]
     if holder:
         lines.append("lock: held by " + ", ".join(f"{k}={v}" for k, v in holder.items() if v is not None))
@@ -90,4 +101,4 @@ def main(argv: list[str]) -> int:
         return args
     doc = status(Path(args.out_dir))
     print(json.dumps(doc, indent=1, default=str) if args.json else render(doc))
-    return EXIT_OK
+    return EXIT_FAILED if any(d["damaged"] for d in doc["datasets"].values()) else EXIT_OK

@@ -1,7 +1,9 @@
 """`datagen validate OUT_DIR [--json] [--threshold KEY=VALUE ...]`: validate a whole output directory.
 
 Runs every check of tasks.validation over every committed shard and each dataset as a whole, writes
-``OUT_DIR/_validation.json`` and prints a summary (or, with ``--json``, the report itself).
+``OUT_DIR/_validation.json`` and prints a summary (or, with ``--json``, the report itself). The
+report is written under the output's lock; while a live run holds it, the run owns the output:
+validation is read-only then (nothing is written, stderr says so) and the exit code is the same.
 
 Exit codes:
   0  every check passed or only warned
@@ -17,7 +19,8 @@ import json
 import sys
 
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
-from tasks.validation import ThresholdError, Thresholds, validate_output
+from tasks.shards import OutputDir, OutputLocked
+from tasks.validation import REPORT_NAME, ThresholdError, Thresholds, validate_output, write_report
 
 
 def _parse_threshold(text: str) -> tuple[str, object]:
@@ -42,7 +45,14 @@ def main(argv: list[str]) -> int:
     if isinstance(args, int):
         return args
     thresholds = Thresholds.from_dict(dict(_parse_threshold(t) for t in args.threshold))
-    report = validate_output(args.out_dir, thresholds)
+    report = validate_output(args.out_dir, thresholds, write=False)
+    try:
+        with OutputDir(args.out_dir).lock({"command": "datagen validate"}):
+            write_report(args.out_dir, report)
+    except OutputLocked as exc:
+        holder = ", ".join(f"{k}={v}" for k, v in exc.holder.items() if v is not None) or "holder unknown"
+        print(f"datagen validate: {args.out_dir} is held by a live run ({holder}); validated read-only, "
+              f"{REPORT_NAME} not written", file=sys.stderr)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

@@ -73,6 +73,7 @@ def datagen(
     progress = _progress(cfg, run_id)
     output = OutputDir(ctx.plan.out_dir)
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
+        output.check_intact()  # a missing or changed shard stops the run before a GPU is touched
         progress.start(*_committed(output))
         try:
             if ctx.launches:

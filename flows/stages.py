@@ -248,6 +248,9 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint, progre
     result = run_dataset(spec, out_dir, endpoint, ctx.inference(), on_shard_committed=on_shard_committed,
                          progress=on_progress)
     summary = result.to_dict()
+    if result.recovered.get("rebuilt_shards"):
+        logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "
+                       "slice and was recorded again", spec.name, result.recovered["rebuilt_shards"], out_dir)
     logger.info("dataset %s on %s: %d shards committed (%d now, %d resumed), %d rows generated in %.1f s",
                 spec.name, ctx.host, summary["shards_committed"], summary["shards_committed_now"],
                 summary["shards_skipped"], summary["rows_generated"], time.monotonic() - t0)

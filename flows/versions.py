@@ -15,7 +15,7 @@ import datetime as dt
 import os
 from pathlib import Path
 
-from tasks.files import fsync_dir
+from tasks.files import atomic_write_text, fsync_dir
 
 __all__ = ["choose_version", "mark_failed", "promote_latest"]
 
@@ -55,7 +55,7 @@ def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
 
 def mark_failed(version_dir: Path, reason: str) -> None:
     """Never resume this version again (its committed shards failed validation)."""
-    (version_dir.parent / f"{version_dir.name}.failed").write_text(reason + "\n")
+    atomic_write_text(version_dir.parent / f"{version_dir.name}.failed", reason + "\n")
 
 
 def promote_latest(root: Path, version_dir: Path) -> Path:

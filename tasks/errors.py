@@ -23,6 +23,7 @@ Each family lives with the code that raises it and keeps the built-in base its c
     │   ├── InputChanged                      no
     │   └── ManifestError                     no
     ├── ExportError                           no      tasks.export
+    ├── UnsafeFile (OSError)                  no      tasks.files (a symlink or foreign file to write)
     ├── ThresholdError (ValueError)           no      tasks.validation
     ├── BadOutput                             no      tasks.validation
     ├── ValidationFailed                      no      tasks.validation

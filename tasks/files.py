@@ -4,6 +4,10 @@ A replaced file is written to a temp file in the same directory, fsynced, rename
 the directory fsynced, so a reader sees the old or the new content, never half of one, and a crash
 keeps whichever was last made durable. A failed write removes its temp file; a crash may leave one
 behind, recognisable by ``TMP_MARK`` in its name.
+
+Every file written here is opened with ``O_NOFOLLOW`` and must be a regular file owned by the
+running user (``open_for_write``): a symlink or a foreign file planted in a shared output directory
+is refused with ``UnsafeFile`` instead of having its target written.
 """
 
 from __future__ import annotations
@@ -12,21 +16,110 @@ import contextlib
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from tasks.errors import DatagenError
+
 __all__ = [
     "TMP_MARK",
+    "UnsafeFile",
     "append_durable",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
     "atomic_writer",
+    "check_replaceable",
     "fsync_dir",
+    "open_for_write",
 ]
 
 TMP_MARK = ".tmp-"
+
+
+class UnsafeFile(DatagenError, OSError):
+    """A file datagen would write is a symlink, not a regular file, or owned by another user.
+
+    ``path`` is the refused file; an ``OSError`` so callers that handle unwritable files handle it.
+    """
+
+    def __init__(self, path: Path | str, why: str) -> None:
+        self.path = Path(path)
+        super().__init__(
+            f"refusing to write {path}: {why}; datagen writes only regular files owned by the user "
+            f"running it (uid {os.geteuid()}): remove or replace {path}, or choose another output"
+        )
+
+
+def _refusal(path: Path | str, st: os.stat_result) -> str | None:
+    """Why a file with status ``st`` must not be written, or None when it may."""
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"it is a symbolic link to {os.readlink(path)}"
+        except OSError:
+            return "it is a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}"
+    return None
+
+
+def open_for_write(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` for writing without following a symlink; return the descriptor.
+
+    ``O_NOFOLLOW`` and ``O_CLOEXEC`` are added to ``flags``; a file that exists must be a regular
+    file owned by the running user (checked on the opened descriptor, so a swap after the check
+    cannot redirect the write).
+
+    Args:
+        path: the file.
+        flags: ``os.open`` flags (e.g. ``os.O_WRONLY | os.O_CREAT | os.O_APPEND``).
+        mode: permissions of a file created.
+
+    Raises:
+        UnsafeFile: ``path`` is a symlink, not a regular file, or owned by another user.
+        OSError: the file cannot be opened.
+    """
+    try:
+        # O_NONBLOCK: opening a planted FIFO for writing would otherwise wait for a reader forever.
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        # ELOOP is how O_NOFOLLOW reports a symlink; a FIFO or socket fails in other ways.
+        why = None
+        with contextlib.suppress(OSError):
+            why = _refusal(path, os.lstat(path))
+        if why is not None:
+            raise UnsafeFile(path, why) from exc
+        raise
+    try:
+        why = _refusal(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        os.close(fd)
+        raise UnsafeFile(path, why)
+    if not flags & os.O_NONBLOCK:
+        os.set_blocking(fd, True)
+    return fd
+
+
+def check_replaceable(path: Path | str) -> None:
+    """Check that ``path`` is absent or a regular file owned by the running user.
+
+    Raises:
+        UnsafeFile: it is a symlink, not a regular file, or owned by another user.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    why = _refusal(path, st)
+    if why is not None:
+        raise UnsafeFile(path, why)
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -64,13 +157,16 @@ def atomic_writer(path: Path | str, mode: str = "w", encoding: str = "utf-8") ->
 
     Raises:
         ValueError: ``mode`` is neither ``"w"`` nor ``"wb"``.
+        UnsafeFile: ``path`` is a symlink, not a regular file, or owned by another user.
         OSError: the temp file cannot be written, synced or renamed (``path`` is unchanged).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_writer mode must be 'w' or 'wb', not {mode!r}")
     path = Path(path)
+    # The rename would replace a planted link, not write through it; refusing says what was found.
+    check_replaceable(path)
     tmp = _temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = open_for_write(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, mode, encoding=None if mode == "wb" else encoding) as f:
             yield f
@@ -141,9 +237,10 @@ def append_durable(path: Path | str, data: bytes) -> None:
         data: the bytes to append (written whole: short writes are continued).
 
     Raises:
+        UnsafeFile: ``path`` is a symlink, not a regular file, or owned by another user.
         OSError: the file cannot be opened, written or synced.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         view = memoryview(data)
         while view:

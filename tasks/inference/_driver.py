@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,29 @@ from tasks.inference._client import GenerateClient, ServerGone, default_concurre
 from tasks.inference._pool import InferencePool
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
-from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
+from tasks.prompts import ChatTemplate, InputRow, input_fingerprint, iter_dataset
 from tasks.reasoning import parser_for_model, tags_for
-from tasks.shards import OutputDir, ShardRecord
+from tasks.shards import InputSlice, OutputDir, ShardRecord
 
 __all__ = ["run_dataset", "run_dataset_async"]
+
+
+def input_slices(path: Path, dataset: str, shard_size: int) -> Iterator[InputSlice]:
+    """The input's slices of ``shard_size`` records in order, as ``OutputDir.rebuild_dataset`` checks them.
+
+    Raises:
+        OSError: the input is unreadable.
+    """
+    current = InputSlice(0)
+    for pos, item in enumerate(iter_dataset(path, dataset)):
+        if pos // shard_size != current.index:
+            yield current
+            current = InputSlice(pos // shard_size)
+        current.lines.append(item.line)
+        if isinstance(item, InputRow):
+            current.ids[item.id] = item.line
+    if current.lines:
+        yield current
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -62,9 +81,20 @@ async def run_dataset_async(
     loop = asyncio.get_running_loop()
     with out.ensure_locked(_lock_info(settings.run_info)):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
+        rebuilt: list[int] = []
+        if out.unrecorded_shards(spec.name):
+            # The manifest was lost: adopt the shard files proven to be this input's slices, or refuse;
+            # never let recovery delete them as uncommitted.
+            rebuilt = await loop.run_in_executor(None, functools.partial(
+                out.rebuild_dataset, spec.name, input_path=str(spec.path.resolve()),
+                input_fingerprint=fingerprint, shard_size=settings.shard_size,
+                slices=input_slices(spec.path, spec.name, settings.shard_size)))
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
+        if rebuilt:
+            recovered["rebuilt_shards"] = len(rebuilt)
+        await loop.run_in_executor(None, out.check_intact, spec.name)
         cfg = settings.client
         info = None
         if settings.concurrency is None or settings.model_name is None:
@@ -161,6 +191,8 @@ def run_dataset(
         ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set).
         RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
         InputChanged: the input or the shard size differs from the one the output was bound to.
+        DamagedShards: a committed shard's file is missing or changed (``datagen repair`` un-commits it).
+        UnrecordedShards: shard files that no manifest records are not this input's slices.
         OutputLocked: another live process holds the output.
         TemplateError: the model's chat template does not load.
         ValueError: unknown reasoning parser.

@@ -6,14 +6,19 @@ from tasks.shards._commit import (
     rows_to_table,
 )
 from tasks.shards._errors import (
+    DamagedShards,
     InputChanged,
     ManifestError,
     OutputLocked,
     ShardsError,
+    UnrecordedShards,
 )
 from tasks.shards._fs import (
     shard_file_name,
     utc_now_iso,
+)
+from tasks.shards._integrity import (
+    ShardDamage,
 )
 from tasks.shards._journal import (
     JOURNAL_FSYNC_INTERVAL_S,
@@ -31,10 +36,15 @@ from tasks.shards._manifest import (
 from tasks.shards._output import (
     OutputDir,
 )
+from tasks.shards._rebuild import (
+    InputSlice,
+)
 
 __all__ = [
     "CommittedShard",
+    "DamagedShards",
     "InputChanged",
+    "InputSlice",
     "JOURNAL_FSYNC_INTERVAL_S",
     "Journal",
     "JournalContents",
@@ -43,8 +53,10 @@ __all__ = [
     "OutputDir",
     "OutputLock",
     "OutputLocked",
+    "ShardDamage",
     "ShardRecord",
     "ShardsError",
+    "UnrecordedShards",
     "rows_to_table",
     "shard_file_name",
     "utc_now_iso",

@@ -5,7 +5,9 @@ Errors::
     ShardsError
     ├── OutputLocked    another live process holds OUT/_lock (names host, pid, flow run, start)
     ├── InputChanged    shard size or input fingerprint differ from the manifest
-    └── ManifestError   the manifest is unreadable or inconsistent
+    ├── ManifestError   the manifest is unreadable or inconsistent
+    │   └── UnrecordedShards  shard files no manifest records, that cannot be adopted
+    └── DamagedShards   committed shards whose files are missing or changed (``datagen repair``)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from tasks.errors import DatagenError
 
-__all__ = ["InputChanged", "ManifestError", "OutputLocked", "ShardsError"]
+__all__ = ["DamagedShards", "InputChanged", "ManifestError", "OutputLocked", "ShardsError", "UnrecordedShards"]
 
 
 class ShardsError(DatagenError):
@@ -48,3 +50,20 @@ class InputChanged(ShardsError):
 
 class ManifestError(ShardsError):
     """The manifest cannot be read or contradicts itself."""
+
+
+class UnrecordedShards(ManifestError):
+    """Shard files of a dataset that no manifest records, and that do not prove to be its input's slices."""
+
+
+class DamagedShards(ShardsError):
+    """Committed shards whose files are missing or no longer match the manifest. ``damage`` lists them."""
+
+    def __init__(self, out_path: Path, damage: list[Any]) -> None:
+        self.damage = damage
+        listed = "; ".join(d.describe() for d in damage)
+        super().__init__(
+            f"{len(damage)} committed shard(s) of {out_path} do not match the manifest: {listed}. "
+            f"Run `datagen repair {out_path}` to un-commit them, then rerun: exactly those shards are "
+            f"generated again (or restore the files from a copy)"
+        )

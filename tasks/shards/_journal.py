@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from tasks.files import fsync_dir
+from tasks.files import fsync_dir, open_for_write
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "Journal", "JournalContents"]
 
@@ -57,30 +57,26 @@ class Journal:
     def _open(self) -> int:
         if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            existed = self.path.exists()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            existed = os.path.lexists(self.path)
+            self._fd = open_for_write(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
             if existed:
-                self._heal_torn_tail()
+                self._heal_torn_tail(self._fd)
             else:
                 fsync_dir(self.path.parent)
         return self._fd
 
-    def _heal_torn_tail(self) -> None:
+    @staticmethod
+    def _heal_torn_tail(fd: int) -> None:
         # A record appended after a torn line would be glued to it and lost; end the torn line first.
-        with open(self.path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            last = f.read(1)
-        if last != b"\n":
-            assert self._fd is not None
-            os.write(self._fd, b"\n")
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one record (flushed to the OS before returning; fsync at most once per interval).
 
         Raises:
+            UnsafeFile: the journal is a symlink, not a regular file, or owned by another user.
             OSError: the write failed (``EIO`` for a short write: never half a record).
         """
         fd = self._open()

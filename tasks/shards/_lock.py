@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from tasks.files import open_for_write
 from tasks.shards._errors import OutputLocked
 from tasks.shards._fs import utc_now_iso
 
@@ -106,6 +107,7 @@ class OutputLock:
 
         Raises:
             OutputLocked: another process, or another lock object here, holds it (names the holder).
+            UnsafeFile: ``_lock`` is a symlink, not a regular file, or owned by another user.
         """
         key = self.out.key
         with _HELD_GUARD:
@@ -116,7 +118,7 @@ class OutputLock:
                     return self
                 raise OutputLocked(self.path, mine.info)
             self.out.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_for_write(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -11,6 +11,9 @@ Layout::
 Shard k of a dataset is the slice ``[k*S, (k+1)*S)`` of its input records. A commit appends the
 rejects, writes the Parquet file, rewrites the manifest and removes the journal, each step durable
 before the next; ``OutputDir.recover()`` undoes what a crash between two steps leaves behind.
+``OutputDir.rebuild_dataset()`` records shard files a lost manifest no longer lists, once each is
+proven to be its input slice; ``OutputDir.repair()`` un-commits shards whose files are missing or
+changed.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 import pyarrow as pa
 
 from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
-from tasks.shards._errors import ManifestError, ShardsError
+from tasks.shards._errors import DamagedShards, ManifestError, ShardsError, UnrecordedShards
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
+from tasks.shards._integrity import ShardDamage, find_damage, uncommit
 from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder
 from tasks.shards._manifest import (
     MANIFEST_FILE,
@@ -40,6 +44,7 @@ from tasks.shards._manifest import (
     set_totals,
     write_manifest,
 )
+from tasks.shards._rebuild import InputSlice, check_adoptable, shard_files
 from tasks.shards._recovery import (
     journal_indices,
     prune_rejects,
@@ -189,6 +194,71 @@ class OutputDir:
             self.write_manifest(manifest)
         return entry
 
+    def unrecorded_shards(self, dataset: str) -> list[int]:
+        """Indices of ``dataset``'s shard files on disk when no manifest records the dataset.
+
+        Raises:
+            ManifestError: the manifest is unreadable.
+        """
+        manifest = self.read_manifest()
+        if manifest is not None and dataset in manifest["datasets"]:
+            return []
+        return sorted(shard_files(self.path / dataset))
+
+    def rebuild_dataset(
+        self,
+        dataset: str,
+        *,
+        input_path: str,
+        input_fingerprint: str,
+        shard_size: int,
+        slices: Iterable[InputSlice],
+    ) -> list[int]:
+        """Record ``dataset`` with the shard files no manifest records, each proven to be its slice.
+
+        For an output whose manifest (or the dataset's entry) was lost: every file must be shard k of
+        this input (``tasks.shards._rebuild``); then the dataset is bound to the input and the files
+        are committed in one manifest write. Returns the adopted indices (none when the manifest
+        records the dataset or there are no files). Needs the lock.
+
+        Args:
+            dataset: the dataset name.
+            input_path: the input file.
+            input_fingerprint: the input's fingerprint.
+            shard_size: input records per shard.
+            slices: the input's slices in index order.
+
+        Raises:
+            UnrecordedShards: a file is not its slice (lists each; nothing is changed).
+            InputChanged: the manifest exists with another shard size.
+            ShardsError: this process does not hold the lock.
+        """
+        self._require_lock()
+        manifest = self.read_manifest()
+        if manifest is not None and dataset in manifest["datasets"]:
+            return []
+        files = shard_files(self.path / dataset)
+        if not files:
+            return []
+        if manifest is None:
+            manifest = new_manifest(shard_size)
+        check_shard_size(manifest, shard_size, self.path)
+        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset))
+        if problems:
+            raise UnrecordedShards(
+                f"{self.path / dataset} holds {len(files)} shard file(s) that no manifest records "
+                f"({self.manifest_path} is missing or lacks {dataset!r}), and {len(problems)} of them are "
+                f"not this input's slices of {shard_size} records: {'; '.join(problems)}. Nothing was "
+                f"changed. Restore {self.manifest_path.name}, or rerun with the input and --shard-size "
+                f"the output was written with; a shard file moved out of {self.path / dataset} is "
+                f"generated again"
+            )
+        bind_dataset(manifest, dataset, input_path, input_fingerprint)
+        for record in records:
+            add_shard(manifest, record)
+        self.write_manifest(manifest)
+        return [r.index for r in records]
+
     def set_dataset_totals(self, dataset: str, total_rows: int) -> None:
         """Record the input's record count (known once it was streamed to the end). Needs the lock."""
         manifest = self._manifest_or_raise()
@@ -306,6 +376,49 @@ class OutputDir:
             "stale_journals": remove_stale_journals(journal_dir, committed),
             "stale_rejects": prune_rejects(self.rejects_path(dataset), committed),
         }
+
+    # -- integrity ---------------------------------------------------------------------------------
+
+    def damaged_shards(self, dataset: str | None = None) -> list[ShardDamage]:
+        """Committed shards (of ``dataset``, or all) whose file is missing or fails its sha256.
+
+        Raises:
+            ManifestError: the manifest is unreadable.
+        """
+        return list(find_damage(self.read_manifest(), self.path, dataset))
+
+    def check_intact(self, dataset: str | None = None) -> None:
+        """Check every committed shard (of ``dataset``, or all) against the manifest.
+
+        Raises:
+            DamagedShards: a shard file is missing or changed (names each, and ``datagen repair``).
+            ManifestError: the manifest is unreadable.
+        """
+        damage = self.damaged_shards(dataset)
+        if damage:
+            raise DamagedShards(self.path, damage)
+
+    def repair(self, *, dry_run: bool = False) -> list[ShardDamage]:
+        """Un-commit every damaged shard, so the next run generates exactly those again.
+
+        Under the output's lock (taken for the call unless held): the manifest drops the shards in
+        one atomic replace, then their files and reject lines are removed as for any uncommitted
+        shard. Returns the damage found (with ``dry_run``, changes nothing).
+
+        Raises:
+            OutputLocked: another run holds the output.
+            ManifestError: there is no manifest or it is unreadable.
+            OSError: a file cannot be written (the manifest is replaced whole or not at all).
+        """
+        with self.ensure_locked({"command": "datagen repair"}):
+            manifest = self._manifest_or_raise()
+            damage = list(find_damage(manifest, self.path))
+            if damage and not dry_run:
+                touched = uncommit(manifest, damage)
+                self.write_manifest(manifest)
+                for dataset in sorted(touched):
+                    self.recover(dataset)
+            return damage
 
     def open_journals(self, dataset: str) -> list[int]:
         """Indices of shards of ``dataset`` that have a journal (open, uncommitted)."""

@@ -26,7 +26,7 @@ from tasks.validation._checks import validate_table
 from tasks.validation._checks_rows import FINISH_REASONS
 from tasks.validation._errors import BadOutput, ThresholdError, ValidationFailed
 from tasks.validation._gate import gate_shard
-from tasks.validation._output import MANIFEST_NAME, validate_output, validate_shard
+from tasks.validation._output import MANIFEST_NAME, validate_output, validate_shard, write_report
 from tasks.validation._results import (
     CHECK_ORDER,
     REPORT_NAME,
@@ -58,5 +58,6 @@ __all__ = [
     "report_table",
     "validate_output",
     "validate_shard",
+    "write_report",
     "validate_table",
 ]

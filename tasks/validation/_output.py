@@ -108,9 +108,10 @@ def _complete_check(rows: int, info: Mapping[str, Any], expected: int | None, sh
         problems.insert(0, f"{abs(missing)} input rows {word} {ctx.label}: {rows} rows + {rejects} rejects, "
                            f"the slice holds {expected}")
     if problems:
-        return Check("complete", "fail", missing or 0, 0, "; ".join(problems) +
-                     "; the shard was committed incomplete or edited: rerun it (the journal resumes by id)",
-                     abs(missing or 0), rows)
+        advice = ("; the shard was committed incomplete or edited: rerun it (the journal resumes by id)"
+                  if file_hash_ok is not False else
+                  f"; run `datagen repair {ctx.out_dir}` to un-commit it: the next run generates it again")
+        return Check("complete", "fail", missing or 0, 0, "; ".join(problems) + advice, abs(missing or 0), rows)
     if expected is None:
         return Check("complete", "unknown", None, None,
                      f"cannot check yet: {rows} rows + {rejects} rejects, a short slice, and the manifest does "
@@ -144,7 +145,8 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
-        check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; rerun the shard")
+        check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; run "
+                      f"`datagen repair {out_dir}` to un-commit it: the next run generates it again")
         return ShardValidation(dataset, index, str(path), 0, [check]), None
     stats = measure_all(table, ctx, thr)
     checks = judge_all(stats, ctx, thr)
@@ -286,5 +288,16 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
     report = ValidationReport(str(out), datasets, thr, samples=samples)
     report.elapsed_s = time.perf_counter() - started
     if write:
-        write_json(out / REPORT_NAME, report.to_dict())
+        write_report(out, report)
     return report
+
+
+def write_report(out_dir: str | os.PathLike[str], report: ValidationReport) -> Path:
+    """Write ``report`` to ``OUT/_validation.json`` atomically; returns the path.
+
+    Raises:
+        OSError: the file cannot be written (``UnsafeFile`` for a planted link or foreign file).
+    """
+    path = Path(out_dir) / REPORT_NAME
+    write_json(path, report.to_dict())
+    return path

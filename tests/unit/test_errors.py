@@ -15,6 +15,7 @@ from datagen.cmd_up import UpError
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
+from tasks.files import UnsafeFile
 from tasks.hygiene import GpusNotClean, ProbeFailed
 from tasks.inference import ClientError, PromptTooLong, RequestRejected, ServerGone
 from tasks.prompts import TemplateError
@@ -26,7 +27,14 @@ from tasks.server import (
     ServerError,
     StopFailed,
 )
-from tasks.shards import InputChanged, ManifestError, OutputLocked, ShardsError
+from tasks.shards import (
+    DamagedShards,
+    InputChanged,
+    ManifestError,
+    OutputLocked,
+    ShardsError,
+    UnrecordedShards,
+)
 from tasks.targets import TargetError, TargetUnreachable
 from tasks.validation import BadOutput, ThresholdError, ValidationFailed
 
@@ -36,13 +44,14 @@ RETRYABLE: set[type[DatagenError]] = {GpusNotClean, ProbeFailed, StopFailed, Tar
 NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
-    ExportError, ThresholdError, BadOutput, ValidationFailed, UpError,
+    ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
 USAGE: set[type[DatagenError]] = {
     ConfigError, TemplateError, TargetError, ServerConfigError, ThresholdError, ShardsError, OutputLocked,
-    InputChanged, ManifestError, ExportError, BadOutput, TargetUnreachable, ProbeFailed,
+    InputChanged, ManifestError, ExportError, BadOutput, TargetUnreachable, ProbeFailed, DamagedShards,
+    UnrecordedShards, UnsafeFile,
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,

@@ -1,0 +1,114 @@
+"""Adopting shard files that no manifest records (the manifest was lost), each proven against its input slice.
+
+A file is adopted as shard k only when it is a readable ROW_SCHEMA Parquet file whose rows are the
+usable records of input slice k (every id once, no other) and whose slice's remaining records are
+exactly the dataset's reject lines tagged with shard k; rows, rejects and sha256 are recomputed from
+the files. One file that fails refuses the whole dataset and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.schema import ROW_SCHEMA
+from tasks.shards._fs import shard_file_name, shard_index_of, utc_now_iso
+from tasks.shards._integrity import file_sha256
+from tasks.shards._manifest import ShardRecord
+
+__all__ = ["InputSlice", "check_adoptable", "shard_files"]
+
+
+@dataclass
+class InputSlice:
+    """The records of input slice ``index``: every record's line (JSONL line or Parquet row number)
+    in input order, and the line of each usable record by id."""
+
+    index: int
+    lines: list[int] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)
+
+
+def shard_files(shard_dir: Path) -> dict[int, Path]:
+    """The Parquet shard files in ``shard_dir`` by index (symlinks and other non-files left out)."""
+    if not shard_dir.is_dir():
+        return {}
+    found = {}
+    for p in shard_dir.glob("shard-*.parquet"):
+        index = shard_index_of(p.name)
+        if index is not None and p.is_file() and not p.is_symlink():
+            found[index] = p
+    return found
+
+
+def _reject_lines(rejects: Iterable[dict[str, Any]]) -> dict[int, list[int]]:
+    by_shard: dict[int, list[int]] = {}
+    for rec in rejects:
+        try:
+            by_shard.setdefault(int(rec["shard"]), []).append(int(rec["line"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return by_shard
+
+
+def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[int]) -> tuple[int, str | None]:
+    """The row count of the file, and why it is not shard ``s.index`` of this input (None: it is)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        return 0, f"unreadable Parquet ({exc})"
+    if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
+        return table.num_rows, "its columns differ from the row schema"
+    ids = [str(i) for i in table.column("id").to_pylist()]
+    if set(table.column("dataset").to_pylist()) - {dataset}:
+        return table.num_rows, f"it holds rows of another dataset than {dataset!r}"
+    foreign = [i for i in ids if i not in s.ids]
+    if foreign:
+        return table.num_rows, (f"{len(foreign)} row id(s) are not records of input slice {s.index} "
+                                f"(e.g. {foreign[0]!r})")
+    covered = [s.ids[i] for i in ids] + reject_lines
+    if len(covered) != len(s.lines) or set(covered) != set(s.lines):
+        return table.num_rows, (f"{len(ids)} rows + {len(reject_lines)} rejects do not account for the "
+                                f"{len(s.lines)} records of input slice {s.index} one to one")
+    return table.num_rows, None
+
+
+def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: Iterable[InputSlice],
+                    rejects: Iterable[dict[str, Any]]) -> tuple[list[ShardRecord], list[str]]:
+    """Check each file of ``files`` against its input slice.
+
+    Args:
+        root: the output directory (manifest paths are relative to it).
+        dataset: the dataset.
+        files: shard files by index (``shard_files``).
+        slices: the input's slices in index order (consumed once; only those in ``files`` are kept).
+        rejects: the dataset's reject records.
+
+    Returns:
+        The records to commit, and the problems (``shard-NNNNN.parquet: why``); adopt only when
+        there are no problems.
+    """
+    reject_lines = _reject_lines(rejects)
+    records: list[ShardRecord] = []
+    problems: list[str] = []
+    seen: set[int] = set()
+    for s in slices:
+        path = files.get(s.index)
+        if path is None:
+            continue
+        seen.add(s.index)
+        lines = reject_lines.get(s.index, [])
+        rows, why = _check(path, dataset, s, lines)
+        if why is not None:
+            problems.append(f"{path.name}: {why}")
+            continue
+        records.append(ShardRecord(dataset, s.index, str(path.relative_to(root)), rows, len(lines),
+                                   file_sha256(path), utc_now_iso(), path))
+    for index in sorted(set(files) - seen):
+        problems.append(f"{shard_file_name(index)}.parquet: the input has no slice {index}")
+    return records, problems
