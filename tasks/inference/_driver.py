@@ -1,9 +1,10 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
 ``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
-undoes half-finished commits, then streams the input once: committed shards and journaled ids are
-skipped, every generation is journaled as it arrives, and a shard commits once its whole slice is
-accounted for. Memory is flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
+undoes half-finished commits, refuses sampling or a parser other than its rows' (``check_resume``),
+then streams the input once: committed shards and journaled ids are skipped, every generation is
+journaled as it arrives, and a shard commits once its whole slice is accounted for. Memory is
+flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._pool import InferencePool
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
+from tasks.inference._resume import check_resume
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
 from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
 from tasks.reasoning import parser_for_model, tags_for
@@ -47,6 +49,7 @@ async def run_dataset_async(
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
+    on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
     """The async form of :func:`run_dataset` (same arguments, same errors)."""
     spec = DatasetSpec(spec.name, Path(spec.path), spec.template_kwargs)
@@ -65,6 +68,7 @@ async def run_dataset_async(
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
+        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True)
         cfg = settings.client
         info = None
         if settings.concurrency is None or settings.model_name is None:
@@ -85,6 +89,7 @@ async def run_dataset_async(
                 sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
+                canary=(min(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)
@@ -144,6 +149,7 @@ def run_dataset(
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
+    on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
     """Generate one dataset into ``out_dir`` against ``endpoint``, resuming whatever is done.
 
@@ -156,19 +162,23 @@ def run_dataset(
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
         on_shard_committed: called with each committed shard's record (e.g. the validation gate).
         progress: called with a ``ShardProgress`` after each commit.
+        on_canary: called once with the first ``min(settings.canary_rows, concurrency)`` rows this
+            run generates (journal records), as soon as the last of them is journaled (e.g.
+            ``tasks.validation.check_canary``); not called when the run generates fewer.
 
     Raises:
         ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set).
         RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
-        InputChanged: the input or the shard size differs from the one the output was bound to.
+        InputChanged: the input or the shard size differs from the one the output was bound to, or
+            the sampling or parser from those of the rows it holds (``check_resume``).
         OutputLocked: another live process holds the output.
         TemplateError: the model's chat template does not load.
         ValueError: unknown reasoning parser.
         OSError: the input is unreadable.
-        Exception: whatever ``on_shard_committed`` raises.
+        Exception: whatever ``on_shard_committed`` or ``on_canary`` raises.
     """
     coro = run_dataset_async(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
-                             progress=progress)
+                             progress=progress, on_canary=on_canary)
     if not _loop_running():
         # Outside the except clause of the loop probe: an error of the run must not carry the
         # probe's "no running event loop" as its context.
