@@ -28,7 +28,7 @@ from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
 from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import OutputDir, ShardRecord
 
-__all__ = ["run_dataset", "run_dataset_async"]
+__all__ = ["canary_size", "run_dataset", "run_dataset_async"]
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -89,7 +89,7 @@ async def run_dataset_async(
                 sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
-                canary=(min(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
+                canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)
@@ -108,6 +108,13 @@ async def run_dataset_async(
             finally:
                 _finish(result, client, out, spec.name, started)
     return result
+
+
+def canary_size(canary_rows: int, concurrency: int) -> int:
+    """How many rows the canary judges: ``canary_rows``, at most half the concurrency (at least 1),
+    so that a failing canary stops the run before the server has answered twice the concurrency,
+    the requests in flight included (0: no canary)."""
+    return min(canary_rows, max(1, concurrency // 2))
 
 
 def _lock_info(run_info: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -162,8 +169,8 @@ def run_dataset(
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
         on_shard_committed: called with each committed shard's record (e.g. the validation gate).
         progress: called with a ``ShardProgress`` after each commit.
-        on_canary: called once with the first ``min(settings.canary_rows, concurrency)`` rows this
-            run generates (journal records), as soon as the last of them is journaled (e.g.
+        on_canary: called once with the first ``canary_size(settings.canary_rows, concurrency)`` rows
+            this run generates (journal records), as soon as the last of them is journaled (e.g.
             ``tasks.validation.check_canary``); not called when the run generates fewer.
 
     Raises:

@@ -208,10 +208,11 @@ class InferencePool:
                 for _ in workers:
                     await queue.put(None)
         finally:
+            # A commit thread cannot be interrupted: let it finish before the lock is released, and
+            # before the journals are closed here (a commit closes its shard's journal itself).
+            self.executor.shutdown(wait=True)
             for shard in self.shards.values():
                 shard.journal.close()
-            # A commit thread cannot be interrupted: let it finish before the lock is released.
-            self.executor.shutdown(wait=True)
 
     async def _read(self, input_iter: Iterable[Any], queue: asyncio.Queue[_Item | None],
                     tg: asyncio.TaskGroup) -> None:

@@ -27,8 +27,9 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
                  record: bool = False) -> None:
     """Refuse to continue ``dataset`` of ``out`` with other sampling or another reasoning parser.
 
-    A dataset the output does not hold yet, or one with no generated rows, passes. Journaled rows of
-    another parser pass too: they are split again with this run's parser when their shard commits.
+    A dataset the output does not hold yet, one with no generated rows and a complete one (nothing
+    is generated again) pass. Journaled rows of another parser pass too: they are split again with
+    this run's parser when their shard commits.
 
     Args:
         out: the output directory.
@@ -44,7 +45,7 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
     """
     manifest = out.read_manifest()
     entry = (manifest or {"datasets": {}})["datasets"].get(dataset)
-    if manifest is None or entry is None:
+    if manifest is None or entry is None or entry.get("complete"):
         return
     wanted = dict(sampling)
     newest = _newest_shard_row(out, dataset)

@@ -51,8 +51,8 @@ class InferenceSettings:
         model_name: the rows' ``model`` column (None: from the server's /server_info).
         client: timeouts, retries and transport of the HTTP client.
         run_info: extra fields of the output lock's body (flow_run, host).
-        canary_rows: the first ``min(canary_rows, concurrency)`` rows generated are handed to
-            ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
+        canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
+            handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
     """
 
     shard_size: int
