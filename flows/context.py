@@ -40,7 +40,8 @@ class RunContext:
         host: the physical GPU host of ``target``.
         gpus: the GPUs the server uses: the only ones the run's hygiene touches.
         parser: the reasoning parser (None: no split).
-        fingerprint: the rows' ``server`` column (``PartitionConfig.server_fingerprint``).
+        fingerprint: the rows' ``server`` column of a launched server (``PartitionConfig.server_fingerprint``;
+            a shared server's is asked of the server by the server session).
     """
 
     cfg: PartitionConfig

@@ -25,7 +25,15 @@ from flows.gpulimit import gpu_slots, release_lease
 from flows.hooks import cleanup_hook
 from flows.progress import Progress
 from flows.session import ServerSession
-from flows.stages import health_check, infer_dataset, load_config, prepare_run, promote, validate
+from flows.stages import (
+    health_check,
+    infer_dataset,
+    load_config,
+    prepare_run,
+    promote,
+    resume_check,
+    validate,
+)
 from tasks.config import Overrides, PartitionConfig
 from tasks.inference import DatasetSpec
 from tasks.prompts import iter_dataset
@@ -75,6 +83,7 @@ def datagen(
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
         output.check_intact()  # a missing or changed shard stops the run before a GPU is touched
         progress.start(*_committed(output))
+        resume_check(ctx)
         try:
             if ctx.launches:
                 _reclaim_dead_runs(ctx)

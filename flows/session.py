@@ -2,7 +2,7 @@
 
 ``ServerSession(ctx)`` is a context manager. On entry it runs the before-launch GPU hygiene and
 launches the server with the tuned memory fraction (or, for a shared server given as
-``run.server_url``, does neither). ``run(work)`` calls ``work(endpoint)`` under the hang watchdog;
+``run.server_url``, does neither and asks the server who it is: the rows' fingerprint). ``run(work)`` calls ``work(endpoint)`` under the hang watchdog;
 when the server dies or hangs (``ServerGone``) it diagnoses the log (a runtime OOM is recorded so
 the relaunch starts lower), stops the server, cleans its GPUs, relaunches, and calls ``work``
 again: inference resumes from the committed shards and journals. ``run.max_relaunches`` is one
@@ -21,7 +21,7 @@ from prefect import get_run_logger
 
 from flows.context import RunContext
 from flows.retry import needs_relaunch
-from flows.stages import diagnose_server, hygiene, launch_server, stop
+from flows.stages import diagnose_server, hygiene, identify_server, launch_server, stop
 from tasks.inference import Endpoint
 from tasks.server import HangWatchdog, ServerHandle
 
@@ -41,11 +41,14 @@ class ServerSession:
         self.ctx = ctx
         self.handle: ServerHandle | None = None
         self.relaunches = 0
+        self.fingerprint = ctx.fingerprint
 
     def __enter__(self) -> Self:
         if self.ctx.launches:
             hygiene(self.ctx, "before-launch")
             self.handle = launch_server(self.ctx)
+        else:
+            self.fingerprint = identify_server(self.ctx)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -59,8 +62,8 @@ class ServerSession:
         if self.handle is None:
             if cfg.server_url is None:
                 raise RuntimeError("the server session has no server (not entered, or stopped)")
-            return Endpoint(cfg.server_url, self.ctx.fingerprint, cfg.api_key())
-        return Endpoint(self.handle.url, self.ctx.fingerprint, cfg.api_key(), alive=self.handle.is_alive)
+            return Endpoint(cfg.server_url, self.fingerprint, cfg.api_key())
+        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.is_alive)
 
     def run(self, work: Callable[[Endpoint], T]) -> T:
         """``work(endpoint)`` until it returns, relaunching the server when it is gone.

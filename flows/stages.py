@@ -15,6 +15,7 @@ a launch that failed for a transient reason, transport errors during inference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -39,14 +40,22 @@ from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
 from tasks.hygiene import GpusNotClean, clean_gpus
-from tasks.inference import DatasetSpec, Endpoint, ShardProgress, run_dataset
+from tasks.inference import (
+    DatasetSpec,
+    Endpoint,
+    ShardProgress,
+    check_resume,
+    external_fingerprint,
+    run_dataset,
+)
 from tasks.server import ServerHandle, classify_failure, launch_tuned, record_runtime_oom, stop_server
-from tasks.shards import ShardRecord
+from tasks.shards import OutputDir, ShardRecord
 from tasks.targets import parse_target
 from tasks.validation import (
     ThresholdError,
     Thresholds,
     ValidationFailed,
+    check_canary,
     gate_shard,
     publish_artifacts,
     validate_output,
@@ -57,11 +66,13 @@ __all__ = [
     "diagnose_server",
     "health_check",
     "hygiene",
+    "identify_server",
     "infer_dataset",
     "launch_server",
     "load_config",
     "prepare_run",
     "promote",
+    "resume_check",
     "stop",
     "validate",
 ]
@@ -106,6 +117,19 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     )
     get_run_logger().info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
     return RunPlan(out_dir=out, root=root, version=out.name if cfg.versioned else None, sim_gpus=sim, log_dir=log_dir)
+
+
+@task(name="resume-check", cache_policy=NONE)
+def resume_check(ctx: RunContext) -> None:
+    """Before a GPU is touched: every dataset the output holds continues with its rows' sampling
+    and reasoning parser. Not retried.
+
+    Raises:
+        InputChanged: a sampling or parser change (exit 2; the message names old and new values).
+    """
+    out = OutputDir(ctx.plan.out_dir)
+    for name in ctx.cfg.datasets:
+        check_resume(out, name, ctx.cfg.sampling, ctx.parser)
 
 
 def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
@@ -190,6 +214,28 @@ def health_check(ctx: RunContext, endpoint: Endpoint) -> None:
         raise RuntimeError(f"{endpoint.url}/health_generate answered {r.status_code}")
 
 
+@task(name="identify-server", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1),
+      cache_policy=NONE)
+def identify_server(ctx: RunContext) -> str:
+    """The fingerprint of the shared server ``run.server_url``: the rows' ``server`` column, from
+    what the server reports about itself, so that it survives a restart on another port.
+
+    Raises:
+        httpx.TransportError: the server cannot be reached (retried).
+    """
+    url = ctx.cfg.server_url
+    assert url is not None, "identify_server is for a shared server"
+    fingerprint, facts = external_fingerprint(url, ctx.cfg.api_key())
+    logger = get_run_logger()
+    if facts:
+        logger.info("shared server %s is %s (%s)", url, fingerprint,
+                    ", ".join(f"{k}={v}" for k, v in sorted(facts.items())))
+    else:
+        logger.warning("shared server %s reports neither /model_info nor /server_info: its rows are "
+                       "fingerprinted by its URL, and a restart on another port will not match them", url)
+    return fingerprint
+
+
 @task(task_run_name=_run_name("recover-{host}"), cache_policy=NONE)
 def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
     """The server stopped answering: read its log, and on a runtime OOM (classified ``too_high``)
@@ -229,7 +275,8 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint, progre
     """Generate one dataset into the run's output, resuming committed shards and journals.
 
     Raises:
-        ValidationFailed: a committed shard failed the validation gate (not retried).
+        ValidationFailed: the first rows (the canary) or a committed shard failed validation (not
+            retried).
         ServerGone: the server died or stopped answering (the session relaunches it).
         Exception: what ``tasks.inference.run_dataset`` raises; transport errors are retried.
     """
@@ -244,9 +291,16 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint, progre
     def on_progress(p: ShardProgress) -> None:
         progress.shard_committed(p.dataset, p.shard, p.rows, p.completion_tokens)
 
+    def on_canary(rows: list[dict[str, Any]]) -> None:
+        # The first rows judged as they arrive: a gross failure stops the run in seconds.
+        checks = check_canary(rows, spec.name, thresholds, out_dir)
+        logger.info("canary of %s on %s: %d rows, %s", spec.name, ctx.host, len(rows),
+                    ", ".join(f"{c.name} {c.status}" for c in checks))
+
     t0 = time.monotonic()
-    result = run_dataset(spec, out_dir, endpoint, ctx.inference(), on_shard_committed=on_shard_committed,
-                         progress=on_progress)
+    settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
+    result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
+                         progress=on_progress, on_canary=on_canary)
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):
         logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "

@@ -223,7 +223,9 @@ class PartitionConfig:
         Model, backend, parallelism and flags; not the port, pid or memory fraction (a relaunch at
         a lower fraction produces the same rows), nor the reasoning parser (/generate returns the
         raw text whatever the parser, and the split is recorded per row, so a rerun with a fixed
-        ``--reasoning-parser`` continues the output). A shared server is named by its URL.
+        ``--reasoning-parser`` continues the output). A shared server is named by its URL here; the
+        run asks the server itself (``tasks.inference.external_fingerprint``) and keeps this only
+        when the server reports nothing about itself.
         """
         if self.server_url is not None:
             return f"external:{self.server_url}"

@@ -21,7 +21,9 @@ from tasks.inference._client import (
     server_error_message,
 )
 from tasks.inference._driver import run_dataset, run_dataset_async
+from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
+from tasks.inference._resume import check_resume
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
 
 __all__ = [
@@ -35,13 +37,16 @@ __all__ = [
     "Endpoint",
     "GenerateClient",
     "GenerateResult",
+    "IDENTITY_KEYS",
     "InferenceSettings",
     "PromptTooLong",
     "RequestRejected",
     "ServerGone",
     "ShardProgress",
     "Transport",
+    "check_resume",
     "default_concurrency",
+    "external_fingerprint",
     "run_dataset",
     "run_dataset_async",
     "server_error_message",

@@ -1,9 +1,10 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
 ``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
-undoes half-finished commits, then streams the input once: committed shards and journaled ids are
-skipped, every generation is journaled as it arrives, and a shard commits once its whole slice is
-accounted for. Memory is flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
+undoes half-finished commits, refuses sampling or a parser other than its rows' (``check_resume``),
+then streams the input once: committed shards and journaled ids are skipped, every generation is
+journaled as it arrives, and a shard commits once its whole slice is accounted for. Memory is
+flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from typing import Any
 from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._pool import InferencePool
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
+from tasks.inference._resume import check_resume
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
 from tasks.prompts import ChatTemplate, InputRow, input_fingerprint, iter_dataset
 from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import InputSlice, OutputDir, ShardRecord
 
-__all__ = ["run_dataset", "run_dataset_async"]
+__all__ = ["canary_size", "run_dataset", "run_dataset_async"]
 
 
 def input_slices(path: Path, dataset: str, shard_size: int) -> Iterator[InputSlice]:
@@ -66,6 +68,7 @@ async def run_dataset_async(
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
+    on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
     """The async form of :func:`run_dataset` (same arguments, same errors)."""
     spec = DatasetSpec(spec.name, Path(spec.path), spec.template_kwargs)
@@ -95,6 +98,7 @@ async def run_dataset_async(
         if rebuilt:
             recovered["rebuilt_shards"] = len(rebuilt)
         await loop.run_in_executor(None, out.check_intact, spec.name)
+        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True)
         cfg = settings.client
         info = None
         if settings.concurrency is None or settings.model_name is None:
@@ -115,6 +119,7 @@ async def run_dataset_async(
                 sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
+                canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)
@@ -133,6 +138,13 @@ async def run_dataset_async(
             finally:
                 _finish(result, client, out, spec.name, started)
     return result
+
+
+def canary_size(canary_rows: int, concurrency: int) -> int:
+    """How many rows the canary judges: ``canary_rows``, at most half the concurrency (at least 1),
+    so that a failing canary stops the run before the server has answered twice the concurrency,
+    the requests in flight included (0: no canary)."""
+    return min(canary_rows, max(1, concurrency // 2))
 
 
 def _lock_info(run_info: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -174,6 +186,7 @@ def run_dataset(
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
+    on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
     """Generate one dataset into ``out_dir`` against ``endpoint``, resuming whatever is done.
 
@@ -186,21 +199,25 @@ def run_dataset(
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
         on_shard_committed: called with each committed shard's record (e.g. the validation gate).
         progress: called with a ``ShardProgress`` after each commit.
+        on_canary: called once with the first ``canary_size(settings.canary_rows, concurrency)`` rows
+            this run generates (journal records), as soon as the last of them is journaled (e.g.
+            ``tasks.validation.check_canary``); not called when the run generates fewer.
 
     Raises:
         ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set).
         RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
-        InputChanged: the input or the shard size differs from the one the output was bound to.
+        InputChanged: the input or the shard size differs from the one the output was bound to, or
+            the sampling or parser from those of the rows it holds (``check_resume``).
         DamagedShards: a committed shard's file is missing or changed (``datagen repair`` un-commits it).
         UnrecordedShards: shard files that no manifest records are not this input's slices.
         OutputLocked: another live process holds the output.
         TemplateError: the model's chat template does not load.
         ValueError: unknown reasoning parser.
         OSError: the input is unreadable.
-        Exception: whatever ``on_shard_committed`` raises.
+        Exception: whatever ``on_shard_committed`` or ``on_canary`` raises.
     """
     coro = run_dataset_async(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
-                             progress=progress)
+                             progress=progress, on_canary=on_canary)
     if not _loop_running():
         # Outside the except clause of the loop probe: an error of the run must not carry the
         # probe's "no running event loop" as its context.

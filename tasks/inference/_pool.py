@@ -8,8 +8,8 @@ its own shard, and the workers never wait for a commit, which keeps the server's
 
 Errors propagate out of ``run`` as the TaskGroup's ``BaseExceptionGroup``: ``ServerGone`` and
 ``RequestRejected`` from the client, ``OSError`` from the journal or the commit, ``RuntimeError``
-when a shard's journal does not hold its slice, and whatever ``on_shard_committed`` or
-``progress`` raise. ``run`` always closes the journals and waits for a running commit.
+when a shard's journal does not hold its slice, and whatever ``on_shard_committed``, ``progress``
+or the canary's callback raise. ``run`` always closes the journals and waits for a running commit.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class InferencePool:
         on_shard_committed: Callable[[ShardRecord], Any] | None,
         progress: Callable[[ShardProgress], Any] | None,
         result: DatasetResult,
+        canary: tuple[int, Callable[[list[dict[str, Any]]], Any]] | None = None,
     ) -> None:
         self.spec = spec
         self.out = out
@@ -95,6 +96,9 @@ class InferencePool:
         self.on_shard_committed = on_shard_committed
         self.progress = progress
         self.result = result
+        self.canary_size = canary[0] if canary is not None else 0
+        self.on_canary: Callable[[list[dict[str, Any]]], Any] | None = canary[1] if canary is not None else None
+        self.canary: list[dict[str, Any]] = []
         self.shards: dict[int, _OpenShard] = {}
         self.committed: set[int] = set()
         self.total_estimate: int | None = None
@@ -204,10 +208,11 @@ class InferencePool:
                 for _ in workers:
                     await queue.put(None)
         finally:
+            # A commit thread cannot be interrupted: let it finish before the lock is released, and
+            # before the journals are closed here (a commit closes its shard's journal itself).
+            self.executor.shutdown(wait=True)
             for shard in self.shards.values():
                 shard.journal.close()
-            # A commit thread cannot be interrupted: let it finish before the lock is released.
-            self.executor.shutdown(wait=True)
 
     async def _read(self, input_iter: Iterable[Any], queue: asyncio.Queue[_Item | None],
                     tg: asyncio.TaskGroup) -> None:
@@ -244,6 +249,14 @@ class InferencePool:
             self.executor, self.out.set_dataset_totals, self.spec.name, total)
         self.result.shards_total = -(-total // size)
 
+    def _feed_canary(self, row: dict[str, Any]) -> None:
+        """Collect the first generated rows; hand them over once there are ``canary_size``."""
+        if len(self.canary) >= self.canary_size or self.on_canary is None:
+            return
+        self.canary.append(row)
+        if len(self.canary) == self.canary_size:
+            self.on_canary(list(self.canary))
+
     async def _worker(self, queue: asyncio.Queue[_Item | None], tg: asyncio.TaskGroup) -> None:
         while True:
             item = await queue.get()
@@ -257,8 +270,8 @@ class InferencePool:
                                      "", row_id=item.row.id, status=exc.status)
                 self._account(shard, tg)
                 continue
-            shard.journal.append(self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt,
-                                                     res))
+            row = self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res)
+            shard.journal.append(row)
             shard.generated += 1
             shard.prompt_tokens += res.prompt_tokens
             shard.completion_tokens += res.completion_tokens
@@ -266,3 +279,4 @@ class InferencePool:
             self.result.prompt_tokens += res.prompt_tokens
             self.result.completion_tokens += res.completion_tokens
             self._account(shard, tg)
+            self._feed_canary(row)

@@ -51,6 +51,8 @@ class InferenceSettings:
         model_name: the rows' ``model`` column (None: from the server's /server_info).
         client: timeouts, retries and transport of the HTTP client.
         run_info: extra fields of the output lock's body (flow_run, host).
+        canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
+            handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
     """
 
     shard_size: int
@@ -61,3 +63,4 @@ class InferenceSettings:
     model_name: str | None = None
     client: ClientConfig = field(default_factory=ClientConfig)
     run_info: Mapping[str, Any] = field(default_factory=dict)
+    canary_rows: int = 0

@@ -15,6 +15,9 @@ Checks, in report order (vectorised over Arrow; only ``resplit`` parses rows one
     finish_reason      only stop/length/abort, and the rate of abort
     token_counts       token counts consistent with the text (characters per token within a band)
 
+``gate_shard`` judges each shard as it commits; ``check_canary`` judges the first rows a run
+generates, before any shard commits.
+
 A check is ``pass``, ``warn``, ``fail`` or ``unknown`` (it could not run); a report fails when any check
 failed, else warns when any warned or was unknown.
 """
@@ -22,6 +25,7 @@ failed, else warns when any warned or was unknown.
 from __future__ import annotations
 
 from tasks.validation._artifacts import publish_artifacts, report_markdown, report_table
+from tasks.validation._canary import CANARY_CHECKS, check_canary
 from tasks.validation._checks import validate_table
 from tasks.validation._checks_rows import FINISH_REASONS
 from tasks.validation._errors import BadOutput, ThresholdError, ValidationFailed
@@ -39,6 +43,7 @@ from tasks.validation._results import (
 from tasks.validation._thresholds import Thresholds
 
 __all__ = [
+    "CANARY_CHECKS",
     "CHECK_ORDER",
     "FINISH_REASONS",
     "MANIFEST_NAME",
@@ -52,6 +57,7 @@ __all__ = [
     "Thresholds",
     "ValidationFailed",
     "ValidationReport",
+    "check_canary",
     "gate_shard",
     "publish_artifacts",
     "report_markdown",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import pyarrow as pa
 
@@ -50,11 +50,14 @@ _MEASURES: tuple[tuple[str, MeasureFn, JudgeFn], ...] = (
 )
 
 
-def measure_all(table: pa.Table, ctx: Context, thr: Thresholds) -> dict[str, Stats]:
-    """Check name -> the stats of ``table`` its judge needs."""
+def measure_all(table: pa.Table, ctx: Context, thr: Thresholds,
+                only: Collection[str] | None = None) -> dict[str, Stats]:
+    """Check name -> the stats of ``table`` its judge needs (of the checks in ``only``, else all)."""
     stats: dict[str, Stats] = {}
     cache: dict[MeasureFn, Stats] = {}
     for name, measure, _judge in _MEASURES:
+        if only is not None and name not in only:
+            continue
         if measure not in cache:
             cache[measure] = measure(table, ctx, thr)
         stats[name] = cache[measure]

@@ -53,9 +53,12 @@ class Context:
     dataset: str
     shard_index: int | None = None
     out_dir: str = "OUT"
+    rows_label: str | None = None  # what the rows are, when neither a shard nor a whole dataset
 
     @property
     def label(self) -> str:
+        if self.rows_label is not None:
+            return self.rows_label
         if self.shard_index is None:
             return self.dataset
         return f"shard {self.shard_index} of {self.dataset}"

@@ -23,6 +23,8 @@ class Thresholds:
     every row breaches. ``allow_mixed_server``: mixed server fingerprints only warn. ``min_rows``: a
     dataset with fewer rows fails (an empty or all-rejected input must not pass, nor move ``latest``);
     ``reject_max_rate``/``reject_warn_rate``: input rows sent to ``_rejects/`` among all input rows.
+    ``canary_rows``: the first rows a run generates for a dataset (``canary_rows``, at most half the
+    concurrency) are checked as they arrive, before any shard commits (0: no canary; ``check_canary``).
     """
 
     reasoning_missing_max_rate: float = 0.5
@@ -43,6 +45,7 @@ class Thresholds:
     min_rows: int = 1
     reject_max_rate: float = 0.2
     reject_warn_rate: float = 0.05
+    canary_rows: int = 32
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> Thresholds:

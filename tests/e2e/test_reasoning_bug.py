@@ -73,6 +73,9 @@ hygiene_grace_s = 1
 [sampling]
 max_new_tokens = 256
 
+[validation]
+canary_rows = 0                   # the shard gate is under test here (tests/e2e/test_canary.py: the canary)
+
 [output]
 root = "{tmp / 'unused-root'}"
 versioned = false

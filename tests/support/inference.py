@@ -112,11 +112,12 @@ def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
 
 def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callable[[], bool] | None = None,
         on_shard_committed: Callable[[ShardRecord], Any] | None = None,
-        progress: Callable[[ShardProgress], Any] | None = None, **settings: Any):
+        progress: Callable[[ShardProgress], Any] | None = None,
+        on_canary: Callable[[list[dict[str, Any]]], Any] | None = None, **settings: Any):
     """``run_dataset`` of dataset "ds" with the demo model; ``settings`` are InferenceSettings fields."""
     settings.setdefault("client", FAST_CLIENT)
     settings.setdefault("sampling", {"max_new_tokens": 64})
     settings.setdefault("concurrency", 32)
     return run_dataset(DatasetSpec("ds", inp), out, Endpoint(url, "test-server", alive=server_alive),
                        InferenceSettings(shard_size=shard, model_dir=DEMO_MODEL, **settings),
-                       on_shard_committed=on_shard_committed, progress=progress)
+                       on_shard_committed=on_shard_committed, progress=progress, on_canary=on_canary)
