@@ -100,7 +100,7 @@ def test_readiness_goes_refused_then_503_then_200(live: Live) -> None:
     assert live.health[-1] == "200"
     assert live.health.index("503") > live.health.index("refused")
     assert live.handle.progress.phase == "ready"
-    assert live.handle.progress.max_total_num_tokens == 4096
+    assert live.handle.progress.kv_tokens == 4096
     assert live.handle.is_alive()
 
 

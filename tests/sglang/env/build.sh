@@ -6,8 +6,10 @@
 # A separate environment, as in production where [server] python names the interpreter that has
 # SGLang. CPU torch comes from the machine's local wheel (torch==2.13.0+cpu: pip fails rather than
 # fetch a CUDA build); sglang and torchvision are installed with --no-deps and the rest is only what
-# the CPU path imports (requirements.txt). pip's cache (PIP_CACHE_DIR, else ~/.cache/pip) makes a
-# rebuild fast. Two adjustments make SGLang's text path import on a machine without CUDA:
+# the CPU path imports (requirements.txt). The wheels are kept in a wheelhouse outside the checkout
+# (SGLANG_WHEELS, else ~/.cache/datagen/sglang-wheels; pip's own HTTP cache stores nothing from the
+# package index here), filled once per recipe: a rebuild installs from it without the network. Two
+# adjustments make SGLang's text path import on a machine without CUDA:
 #  - torchvision on the package index is a CUDA build whose operator library cannot load next to
 #    CPU torch; two of its fake-kernel registrations are unconditional and fail at import, so they
 #    are made conditional like the others (SGLang imports torchvision's transforms, never its ops);
@@ -21,12 +23,24 @@ stamp="$venv/.installed"
 SGLANG_VERSION=0.5.23
 TORCHVISION_VERSION=0.28.0
 
+wheels=${SGLANG_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/datagen/sglang-wheels}
+recipe=$(cat "$here/requirements.txt" "$0" | sha256sum | cut -c1-16)
+
 rm -rf "$venv"
 "$python" -m venv "$venv"
 py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
-"${pip[@]}" -r "$here/requirements.txt"
-"${pip[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
+pip() {  # this machine's pip configuration names file indexes that do not exist for every package
+  "$py" -m pip --quiet --disable-pip-version-check "$@" 2> >(grep -v 'is ignored: it is neither a file' >&2)
+}
+nodeps=("sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION")
+if ! [ -f "$wheels/.complete-$recipe" ]; then
+  mkdir -p "$wheels"
+  pip download --dest "$wheels" -r "$here/requirements.txt"
+  pip download --dest "$wheels" --no-deps "${nodeps[@]}"
+  touch "$wheels/.complete-$recipe"
+fi
+pip install --no-index --find-links "$wheels" -r "$here/requirements.txt"
+pip install --no-index --find-links "$wheels" --no-deps "${nodeps[@]}"
 
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 meta="$site/torchvision/_meta_registrations.py"
