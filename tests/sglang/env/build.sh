@@ -24,7 +24,7 @@ SGLANG_VERSION=0.5.23
 TORCHVISION_VERSION=0.28.0
 
 wheels=${SGLANG_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/datagen/sglang-wheels}
-recipe=$(cat "$here/requirements.txt" "$0" | sha256sum | cut -c1-16)
+recipe=$( (cat "$here/requirements.txt"; echo "$SGLANG_VERSION $TORCHVISION_VERSION") | sha256sum | cut -c1-16)
 
 rm -rf "$venv"
 "$python" -m venv "$venv"
@@ -39,8 +39,8 @@ if ! [ -f "$wheels/.complete-$recipe" ]; then
   pip download --dest "$wheels" --no-deps "${nodeps[@]}"
   touch "$wheels/.complete-$recipe"
 fi
-pip install --no-index --find-links "$wheels" -r "$here/requirements.txt"
-pip install --no-index --find-links "$wheels" --no-deps "${nodeps[@]}"
+pip install --no-compile --no-index --find-links "$wheels" -r "$here/requirements.txt"
+pip install --no-compile --no-index --find-links "$wheels" --no-deps "${nodeps[@]}"
 
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 meta="$site/torchvision/_meta_registrations.py"
