@@ -154,7 +154,8 @@ def _loading_weights(before: list[str]) -> bool:
 
 
 _ERRORISH = re.compile(r"Error|error:|Exception|Traceback|failed|Killed", re.I)
-_FRACTION_SAID = re.compile(r"(?:mem_fraction_static=|'mem_fraction_static': |--mem-fraction-static=)([0-9.]+)")
+_FRACTION_SAID = re.compile(
+    r"(?:mem_fraction_static=|'mem_fraction_static': |--mem-fraction-static=)([0-9.]+(?:e-?[0-9]+)?)")
 
 
 def effective_fraction(log_text: str) -> float | None:

@@ -20,6 +20,7 @@ from tasks.server import (
     ServerConfig,
     TuningPolicy,
     classify_failure,
+    effective_fraction,
     launch_tuned,
     next_fraction,
     record_runtime_oom,
@@ -142,3 +143,9 @@ def test_failed_default_launch_steps_down_from_the_fraction_sglang_used(tmp_path
 def test_runtime_oom_at_the_default_fraction_is_recorded(tmp_path: Path) -> None:
     memory = FractionMemory(FileStore(tmp_path / "f.json"))
     record_runtime_oom(ServerConfig(model_path="/m"), "local", None, memory=memory, gpu_name="gpu")  # type: ignore[arg-type]
+
+
+def test_effective_fraction_reads_the_forms_sglang_0_5_23_prints() -> None:
+    said = FILES[0].parent / "real_cpu_weights_leave_no_kv.log"
+    assert effective_fraction(_read(said)[1]) == 1e-06
+    assert effective_fraction("server_args={'model_path': '/m', 'mem_fraction_static': 0.716, 'tp_size': 1}") == 0.716
