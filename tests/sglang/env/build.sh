@@ -51,13 +51,15 @@ if grep -q '^@torch.library.register_fake' "$meta"; then
 fi
 cp -r "$here/shims/vllm" "$site/"
 
-# Fail here, not in the tests: CPU torch, and SGLang's server modules import.
+# Fail here, not in the tests: CPU torch, and SGLang's server modules import (and get byte-compiled).
 "$py" - <<'EOF'
 import torch
 assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
 import sglang.launch_server  # noqa: F401
 import sglang.srt.entrypoints.http_server  # noqa: F401
 import sglang.srt.managers.scheduler  # noqa: F401
+import sglang.srt.model_executor.model_runner  # noqa: F401  (byte-compiles what the tier's server runs)
+import sglang.srt.models.qwen3  # noqa: F401
 import tokenizers  # noqa: F401  (data/models/make_tiny_model.py)
 print(f"sglang environment ready: torch {torch.__version__}")
 EOF
