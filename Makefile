@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean
+.PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,6 +13,16 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Real SGLang on CPU for the `sglang` test tier (tests/sglang): a separate interpreter, as [server] python
+# names in production. Rebuilt when its recipe changes; pip's cache makes a rebuild fast.
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): tests/sglang/env/build.sh tests/sglang/env/requirements.txt tests/sglang/env/shims/vllm/_custom_ops.py
+	PYTHON=$(PYTHON) tests/sglang/env/build.sh $(SGLANG_VENV)
+
+sglang-cpu: $(SGLANG_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/datagen demo
@@ -46,4 +56,4 @@ down: $(STAMP)
 	$(VENV)/bin/datagen down
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -32,23 +32,31 @@ __all__ = [
 
 FailureKind = Literal[
     "too_high", "too_low", "host_memory", "port_in_use", "bad_flag", "model_not_found", "weights_too_big",
-    "timeout", "unknown",
+    "kv_pool_exhausted", "timeout", "unknown",
 ]
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a launch (or a running server) failed: a kind, a one-line explanation, the evidence line."""
+    """Why a launch (or a running server) failed: a kind, a one-line explanation, the evidence line.
+
+    ``suggested_fraction``: the --mem-fraction-static SGLang itself names as the least that fits
+    ("Raise --mem-fraction-static above Y"), when the log says one; the next launch should go above it.
+    """
 
     kind: FailureKind
     explanation: str
     evidence: str = ""
+    suggested_fraction: float | None = None
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# Checked in this order: the first kind whose pattern matches any line wins. Specific causes come
+_RAISE_FRACTION = "the KV cache pool does not fit in the static memory: raise --mem-fraction-static"
+_LOWER_FRACTION = "too little GPU memory left for CUDA graphs and activations: lower --mem-fraction-static"
+
+# Checked in this order: the first rule whose pattern matches any line wins. Specific causes come
 # before the OOM family because an OOM can be a consequence (e.g. a port clash never is).
 _RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
     ("port_in_use", re.compile(r"address already in use|\[Errno 98\]", re.I),
@@ -59,17 +67,33 @@ _RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
         r"Repository Not Found|RepositoryNotFoundError|HFValidationError|LocalEntryNotFoundError|"
         r"is not a local folder and is not a valid model identifier|"
         r"does not appear to have a file named config\.json|Can't load the configuration of|"
+        r"Unrecognized model in |"
         r"No such file or directory: .*(config\.json|model)", re.I),
      "the model path does not exist or is not a model directory on the target: check model_path"),
-    ("host_memory", re.compile(r"Not enough host memory available"),
+    ("host_memory", re.compile(r"Not enough host memory"),
      "not enough host RAM for the hierarchical cache: lower --hicache-size/--hicache-ratio or free RAM"),
-    ("too_low", re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static"),
-     "the KV cache pool does not fit in the static memory: raise --mem-fraction-static"),
+    # The engine names the OOM killer as the likely cause of a scheduler SIGKILLed while it starts.
+    ("host_memory", re.compile(r"scheduler died during initialization \(exit code: -9\)"),
+     "a scheduler was killed (SIGKILL, most likely the kernel's OOM killer: see `dmesg`) while it started: "
+     "free host RAM or start fewer servers on this host"),
+    ("too_low", re.compile(
+        r"Not enough memory\. Please try to increase --mem-fraction-static|"
+        r"Loaded weights leave no GPU memory for the KV cache|"
+        # hybrid-Mamba and sliding-window pools: "... or increase --mem-fraction-static"
+        r"(state cache is too small to serve any requests|Not enough GPU memory for hybrid|"
+        r"leaves no room for the full KV pool|cannot fit ONE worst-case request).*(increase|Raise) "
+        r"--mem-fraction-static"), _RAISE_FRACTION),
+    # The token allocator found the KV pool full: a bigger pool helps, a smaller one makes it worse.
+    ("kv_pool_exhausted", re.compile(r"(Prefill|Decode) out of memory\. Try to lower your batch size"),
+     "the KV cache pool ran out of free tokens for the running requests (not GPU memory): lower "
+     "--max-running-requests or --chunked-prefill-size, or raise --mem-fraction-static; never lower it"),
+    # "Capture cuda graph failed: <cause>" is memory only when the cause is an OOM (matched here);
+    # a gloo or `invalid argument` cause is not about the fraction and stays unrecognised.
     ("too_high", re.compile(
-        r"Capture cuda graph failed|CUDA out of memory|OutOfMemoryError|Prefill out of memory|"
-        r"Decode out of memory|CUDA error: out of memory", re.I),
-     "too little GPU memory left for CUDA graphs and activations: lower --mem-fraction-static"),
+        r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory", re.I), _LOWER_FRACTION),
 ]
+
+_SUGGESTED = re.compile(r"Raise --mem-fraction-static above ([0-9]*\.?[0-9]+)")
 
 
 def explanation(kind: FailureKind) -> str:
@@ -86,16 +110,22 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
     """Classify a failed server from its log text and exit status (None when unknown).
 
     Exit status 2 without a recognisable line is still an argparse error (SGLang's usage errors).
-    A CUDA OOM while weights load is "weights_too_big" (not fixed by any fraction). Never raises.
+    A CUDA OOM while weights load is "weights_too_big" (not fixed by any fraction). A "too_low"
+    failure carries the fraction SGLang suggests, when it names one. Never raises.
     """
     lines = log_text.splitlines()
+    # Message lines first: a traceback's indented source line ("raise HFValidationError(") names the
+    # error without saying what went wrong.
+    order = sorted(range(len(lines)), key=lambda i: lines[i][:1] in (" ", "\t"))
     for kind, pattern, advice in _RULES:
-        for i, line in enumerate(lines):
+        for i in order:
+            line = lines[i]
             if pattern.search(line):
                 if kind == "too_high" and _loading_weights(lines[:i]):
                     # Weights load before the static pool is sized: no fraction changes this.
                     return Failure("weights_too_big", _WEIGHTS_EXPLANATION, line.strip()[:500])
-                return Failure(kind, advice, line.strip()[:500])
+                suggested = _suggested_fraction(line) if kind == "too_low" else None
+                return Failure(kind, advice, line.strip()[:500], suggested)
     if exit_status == 2:
         evidence = next((ln for ln in reversed(lines) if "error" in ln.lower()), "")
         return Failure("bad_flag", explanation("bad_flag"), evidence.strip()[:500])
@@ -103,6 +133,14 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
     status = "unknown" if exit_status is None else str(exit_status)
     return Failure("unknown", f"the server stopped (exit status {status}) for a reason not recognised: "
                    "read the log tail", evidence.strip()[:500])
+
+
+def _suggested_fraction(line: str) -> float | None:
+    m = _SUGGESTED.search(line)
+    if m is None:
+        return None
+    value = float(m.group(1))
+    return value if 0.0 < value < 1.0 else None
 
 
 _WEIGHTS_EXPLANATION = ("the model weights do not fit in GPU memory (OOM while loading weights, before "
@@ -116,11 +154,18 @@ def _loading_weights(before: list[str]) -> bool:
 
 
 _ERRORISH = re.compile(r"Error|error:|Exception|Traceback|failed|Killed", re.I)
+_FRACTION_SAID = re.compile(
+    r"(?:mem_fraction_static=|'mem_fraction_static': |--mem-fraction-static=)([0-9.]+(?:e-?[0-9]+)?)")
 
 
 def effective_fraction(log_text: str) -> float | None:
-    """The --mem-fraction-static SGLang actually used, when its log says (server_args or error line)."""
-    found = re.findall(r"mem_fraction_static=([0-9.]+)", log_text)
+    """The --mem-fraction-static SGLang actually used, when its log says (server_args or error line).
+
+    Reads ``server_args`` printed as ``ServerArgs(mem_fraction_static=X, ...)`` or as a dict
+    (``{'mem_fraction_static': X, ...}``), and the error lines' ``mem_fraction_static=X`` /
+    ``--mem-fraction-static=X``; the last one in the text wins.
+    """
+    found = _FRACTION_SAID.findall(log_text)
     try:
         return float(found[-1].rstrip(".")) if found else None
     except ValueError:

@@ -152,8 +152,8 @@ P = "[2026-01-01 10:00:00 TP0] "
         (P + "Capture cuda graph failed: CUDA out of memory.\nPossible solutions: 1. set "
          "--mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)", -9, "too_high"),
         (P + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.25 GiB", -9, "too_high"),
-        (P + "Prefill out of memory. Try to lower your batch size.", -9, "too_high"),
-        (P + "Decode out of memory. Try to lower your batch size.", -9, "too_high"),
+        (P + "Prefill out of memory. Try to lower your batch size.", -9, "kv_pool_exhausted"),
+        (P + "Decode out of memory. Try to lower your batch size.", -9, "kv_pool_exhausted"),
         ("Not enough host memory available. Requesting 800 GB but only have 200 GB free.", 1, "host_memory"),
         ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): "
          "address already in use", 1, "port_in_use"),

@@ -1,0 +1,221 @@
+"""One real SGLang server on CPU, launched with an API key through datagen's tuned launcher.
+
+The tests share it (it takes about a minute to warm up) and run in file order: readiness, the
+`/generate` request and response as the client uses them, the key, the default fraction, long
+prompts and sampling keys; the last ones stop it and read how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tasks.config import ConfigError, load_partition
+from tasks.inference import ClientConfig, GenerateClient, GenerateResult, PromptTooLong, RequestRejected
+from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
+from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
+
+PROMPT = "<|im_start|>user\nWhat is the weather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class Live:
+    handle: ServerHandle
+    report: LaunchReport
+    key: str
+    memory_file: Path
+    health: list[str]  # what /health_generate answered while the server started, repeats folded
+    cmdlines: dict[int, str] = field(default_factory=dict)  # every group member at readiness
+
+
+def _watch_health(url: str, seen: list[str], done: threading.Event) -> None:
+    with httpx.Client(trust_env=False) as client:
+        while not done.is_set():
+            try:
+                outcome = str(client.get(url + "/health_generate", timeout=5.0).status_code)
+            except httpx.ConnectError:
+                outcome = "refused"
+            except httpx.TransportError:
+                outcome = "timeout"
+            if not seen or seen[-1] != outcome:
+                seen.append(outcome)
+            if outcome == "200":
+                return
+            done.wait(0.1)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    base = tmp_path_factory.mktemp("sglang-live")
+    key = "sk-test-" + secrets.token_hex(16)
+    cfg = cpu_config(tiny_model, api_key=key, reasoning_parser="qwen3")
+    health: list[str] = []
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_health, args=(cfg.url, health, done), daemon=True)
+    watcher.start()
+    memory_file = base / "fractions.json"
+    try:
+        handle, report = launch_tuned(
+            cfg, "local", base / "logs", deadline_s=DEADLINE_S, memory=FractionMemory(FileStore(memory_file)),
+            gpu_name="cpu", hygiene=None,
+        )
+    finally:
+        done.set()
+        watcher.join(10)
+    cmdlines = {}
+    for pid in handle.member_pids:
+        try:
+            cmdlines[pid] = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+    yield Live(handle, report, key, memory_file, health, cmdlines)
+    stop_server(handle, grace_s=30.0, hygiene=None)
+
+
+def _generate(live: Live, text: str, sampling: dict[str, Any], rid: str) -> GenerateResult:
+    async def go() -> GenerateResult:
+        async with GenerateClient(live.handle.url, ClientConfig(api_key=live.key, max_attempts=1)) as client:
+            return await client.generate(text, sampling, rid)
+
+    return asyncio.run(go())
+
+
+def test_readiness_goes_refused_then_503_then_200(live: Live) -> None:
+    assert live.health[0] == "refused"
+    assert "503" in live.health
+    assert live.health[-1] == "200"
+    assert live.health.index("503") > live.health.index("refused")
+    assert live.handle.progress.phase == "ready"
+    assert live.handle.progress.kv_tokens == 4096
+    assert live.handle.is_alive()
+
+
+def test_generate_request_and_response_as_the_client_reads_them(live: Live) -> None:
+    res = _generate(live, PROMPT, {"max_new_tokens": 8, "temperature": 0.0}, "row-1")
+    assert res.rid == "row-1" and res.attempts == 1
+    assert res.finish_reason in ("length", "stop")
+    assert 1 <= res.completion_tokens <= 8
+    if res.finish_reason == "length":
+        assert res.completion_tokens == 8
+    assert res.prompt_tokens >= 10
+    meta = res.meta_info
+    assert meta["id"] == "row-1"
+    assert meta["prompt_tokens"] == res.prompt_tokens and meta["completion_tokens"] == res.completion_tokens
+    assert {"finish_reason", "cached_tokens", "e2e_latency"} <= set(meta)
+
+
+def test_requests_without_the_key_are_refused(live: Live) -> None:
+    r = httpx.post(live.handle.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                   timeout=30.0, trust_env=False)
+    assert r.status_code == 401
+    assert httpx.get(live.handle.url + "/health_generate", timeout=30.0, trust_env=False).status_code == 200
+
+
+def test_api_key_is_in_no_command_line_log_or_artifact(live: Live) -> None:
+    assert len(live.cmdlines) >= 3  # leader, SGLang's main process, its scheduler and detokenizer
+    assert any("sglang::scheduler" in c for c in live.cmdlines.values())
+    for cmdline in live.cmdlines.values():
+        assert live.key not in cmdline
+    log = Path(live.handle.log_path).read_text()
+    assert "server_args=" in log and live.key not in log
+    assert "'api_key': '***'" in log
+    for artifact in (live.handle.to_dict(), live.report.to_dict(), live.memory_file.read_text()):
+        assert live.key not in json.dumps(artifact)
+
+
+def test_default_fraction_is_read_back_from_the_log(live: Live) -> None:
+    said = re.search(r"'mem_fraction_static': ([0-9.]+)", Path(live.handle.log_path).read_text())
+    assert said is not None
+    assert live.report.start_source == "default"
+    assert live.report.attempts[0].fraction is None
+    assert live.report.fraction == float(said.group(1))
+    assert live.report.attempts[0].effective == float(said.group(1))
+
+
+def test_prompt_alone_longer_than_the_context_is_rejected_with_the_server_message(live: Live) -> None:
+    with pytest.raises(PromptTooLong) as info:
+        _generate(live, " ".join(["kalo"] * (CONTEXT + 100)), {"max_new_tokens": 4}, "row-long")
+    assert info.value.status == 400
+    assert str(CONTEXT) in info.value.message or "context" in info.value.message.lower()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 item 5: prompt + max_new_tokens over the context is "
+                   "rejected (row lost to _rejects/) instead of max_new_tokens capped to fit")
+def test_prompt_that_fits_gets_max_new_tokens_capped_to_the_context(live: Live) -> None:
+    res = _generate(live, PROMPT, {"max_new_tokens": CONTEXT - 8, "temperature": 0.0}, "row-capped")
+    assert res.prompt_tokens + res.completion_tokens <= CONTEXT
+    assert res.completion_tokens >= 1
+
+
+def test_unknown_sampling_key_is_rejected_by_the_server(live: Live) -> None:
+    with pytest.raises(RequestRejected) as info:
+        _generate(live, PROMPT, {"max_new_tokens": 4, "seed": 1}, "row-seed")
+    assert info.value.status == 400
+    assert "seed" in info.value.message
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 item 7: unknown sampling_params keys pass the config loader "
+                   "and fail at the first request")
+def test_unknown_sampling_key_is_refused_when_the_config_loads(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    f = tmp_path / "p.toml"
+    f.write_text(f'[datasets]\nx = "in.jsonl"\n[model]\npath = "{tiny_model}"\n[server]\nbackend = "sglang"\n'
+                 '[sampling]\nseed = 1\n[output]\nroot = "o"\n')
+    with pytest.raises(ConfigError, match="seed"):
+        load_partition(f)
+
+
+# --- stop: these run last and end the shared server -------------------------------------------------
+
+
+@dataclass
+class Stopped:
+    seconds: float
+    exit_status: int | None
+    log: str
+    pids: list[int]
+
+
+@pytest.fixture(scope="module")
+def stopped(live: Live) -> Stopped:
+    pids = sorted(set(live.cmdlines) | {live.handle.pid})
+    t0 = time.monotonic()
+    stop_server(live.handle, grace_s=30.0, hygiene=None)
+    return Stopped(time.monotonic() - t0, live.handle.exit_status(), Path(live.handle.log_path).read_text(), pids)
+
+
+def test_stop_ends_every_process_of_the_group(stopped: Stopped) -> None:
+    assert [p for p in stopped.pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
+    assert stopped.seconds < 30.0
+
+
+# Not strict: whether SGLang dies by SIGKILL on this stop is a race (item 12); the deterministic
+# proof of item 6 is tests/unit/server/test_bootstrap_exit.py.
+@pytest.mark.xfail(strict=False, reason="issue 13 item 6: the key bootstrap calls signal.signal(SIGKILL), so a "
+                   "server killed by SIGKILL exits 1 and its log ends with OSError: [Errno 22]")
+def test_key_bootstrap_mirrors_the_exit_without_an_oserror(stopped: Stopped) -> None:
+    assert "OSError: [Errno 22] Invalid argument" not in stopped.log
+    assert stopped.exit_status != 1
+
+
+# Not strict: SGLang's main process and its children race for the group's SIGTERM; the children
+# usually lose first (crash path), on a loaded machine the main process sometimes drains in time.
+@pytest.mark.xfail(strict=False, reason="issue 13 item 12: killpg(SIGTERM) ends SGLang's children first; it "
+                   "takes its crash path and dies by SIGKILL after ~5.7 s instead of draining and exiting 0")
+def test_stop_drains_and_exits_0_promptly(stopped: Stopped) -> None:
+    assert stopped.exit_status == 0
+    assert stopped.seconds < 3.0

@@ -1,0 +1,78 @@
+"""Real SGLang on CPU for the `sglang` tier: its interpreter, the tiny model, configs and log capture.
+
+The interpreter is the environment `make sglang-cpu` builds (.venv-sglang); without it the tier is
+skipped with a message naming that target, except under CI (CI=true), where it fails. The model is a
+tiny random Qwen3 written by data/models/make_tiny_model.py (weights filled by `--load-format dummy`).
+Servers start through datagen's own launcher with a ServerConfig whose ``python`` is that interpreter;
+the KV pool, host memory on CPU, is bounded by ``--max-total-tokens``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.server import ServerConfig
+from tests.support.common import free_port
+from tests.support.paths import REPO_ROOT
+
+SGLANG_VENV = REPO_ROOT / ".venv-sglang"
+SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
+MODEL_SCRIPT = REPO_ROOT / "data" / "models" / "make_tiny_model.py"
+MODEL_DIR = REPO_ROOT / ".run" / "sglang-tiny-model"
+CONTEXT = 2048  # the tiny model's max_position_embeddings
+KV_TOKENS = 4096
+# CPU device, random weights, a bounded KV pool.
+CPU_ARGS = ("--device", "cpu", "--load-format", "dummy", "--max-total-tokens", str(KV_TOKENS))
+DEADLINE_S = 400.0  # warm-up alone takes about 70 s on a busy 2-core machine
+
+
+def sglang_python() -> Path:
+    """The interpreter with SGLang; skips the test (fails it under CI) when it was not built."""
+    if (SGLANG_VENV / ".installed").is_file() and SGLANG_PYTHON.is_file():
+        return SGLANG_PYTHON
+    why = f"real SGLang environment {SGLANG_VENV} is missing: run `make sglang-cpu`"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(why + " (CI runs the sglang tier; .ci/run builds it before the tests)")
+    pytest.skip(why)
+
+
+def make_model(python: Path, out: Path = MODEL_DIR) -> Path:
+    """Write the tiny model directory ``out`` with the SGLang interpreter (it has `tokenizers`)."""
+    subprocess.run([str(python), str(MODEL_SCRIPT), str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def cpu_config(model_path: str | Path, **kw: Any) -> ServerConfig:
+    """A ServerConfig for real SGLang on CPU on a free loopback port; ``kw`` overrides fields."""
+    extra = tuple(kw.pop("extra_args", ()))
+    python = kw.pop("python", None) or sglang_python()
+    return ServerConfig(
+        model_path=str(model_path), host="127.0.0.1", port=kw.pop("port", None) or free_port(),
+        python=str(python), extra_args=CPU_ARGS + extra, **kw,
+    )
+
+
+@pytest.fixture(scope="session")
+def sglang_env() -> Path:
+    """The SGLang interpreter (skip, or fail under CI, when missing)."""
+    return sglang_python()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(sglang_env: Path) -> Path:
+    """The tiny Qwen3-shaped model directory, written once per session."""
+    return make_model(sglang_env)
+
+
+@pytest.fixture
+def sglang_logs(tmp_path: Path) -> Iterator[Path]:
+    """A directory for server logs of one test."""
+    d = tmp_path / "logs"
+    d.mkdir()
+    yield d
