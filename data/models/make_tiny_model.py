@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # the SGLang env has it
+
 HERE = Path(__file__).resolve().parent
 SAMPLES = HERE.parent / "samples"
 DEMO_TOKENIZER_CONFIG = HERE / "demo" / "tokenizer_config.json"
@@ -60,8 +62,6 @@ def corpus_words() -> list[str]:
 
 def build_tokenizer(out: Path) -> int:
     """Train the BPE tokenizer and write tokenizer.json; returns its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -97,8 +97,6 @@ def tokenizer_config(vocab: dict[str, int]) -> dict[str, object]:
 
 def make(out: Path) -> Path:
     """Write the model directory ``out`` (created if missing) and return it."""
-    from tokenizers import Tokenizer
-
     out.mkdir(parents=True, exist_ok=True)
     size = build_tokenizer(out)
     if size > VOCAB:
