@@ -22,7 +22,16 @@ from tasks.shards import OutputDir
 
 
 def status(out: Path) -> dict[str, Any]:
-    """The status document of an output directory. Raises FileNotFoundError without a manifest."""
+    """The status document of an output directory.
+
+    Raises:
+        FileNotFoundError: ``out`` has no manifest.
+        NotADirectoryError: ``out`` is a file.
+        ManifestError: the manifest is not one.
+    """
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not an output directory: give the directory that holds "
+                                 "_manifest.json")
     od = OutputDir(out)
     manifest = od.read_manifest()
     if manifest is None:

@@ -12,6 +12,7 @@ from tasks.shards._errors import (
     ShardsError,
 )
 from tasks.shards._fs import (
+    check_dataset_name,
     shard_file_name,
     utc_now_iso,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "OutputLocked",
     "ShardRecord",
     "ShardsError",
+    "check_dataset_name",
     "rows_to_table",
     "shard_file_name",
     "utc_now_iso",

@@ -8,6 +8,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -60,7 +62,7 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
     ("body", "key", "fragment"),
     [
         ('[model]\npath = "m"\n', "[datasets]", "at least one"),
-        ('[datasets]\nx = "nope.jsonl"\n[model]\npath = "m"\n', "datasets.x", "does not exist"),
+        ('[datasets]\nx = "nope.jsonl"\n[model]\npath = "m"\n', "datasets.x", "no such file"),
         ('[datasets]\nx = "in.jsonl"\n', "model.path", "required"),
         (BASE + '[server]\nbackend = "vllm"\n', "server.backend", "not one of sglang, emulator"),
         (BASE + "[server]\nmem_fraction_static = 1.2\n", "server.mem_fraction_static", "fraction"),
@@ -89,7 +91,7 @@ def test_invalid_configs_name_file_and_key(tmp_path: Path, body: str, key: str, 
 
 
 def test_unknown_partition_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"nosuch\.toml: no such partition config \(known partitions: all, demo"):
+    with pytest.raises(ConfigError, match=r"nosuch\.toml: no such partition config \(known partitions: adhoc, all, demo"):
         load_partition("nosuch")
 
 
@@ -183,7 +185,7 @@ def test_cli_options_are_the_overrides() -> None:
 def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
     a, b = tmp_path / "alpha.jsonl", tmp_path / "alpha.parquet"
     a.write_text("{}\n")
-    b.write_bytes(b"")
+    pq.write_table(pa.table({"prompt": ["hi"]}), b)
     with pytest.raises(ConfigError, match=r"override: --input .*alpha\.parquet: a second input named 'alpha'"):
         load_partition("all").with_overrides(Overrides(inputs=(str(a), str(b))))
 
@@ -229,6 +231,7 @@ api_key_secret = "no-such-block"
 hub_token_secret = "no-such-block-either"
 launch_deadline_s = 60
 python = "/usr/bin/python3"
+allow_unauthenticated_bind = true
 """)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -249,12 +252,13 @@ python = "/usr/bin/python3"
         assert getattr(scfg, name) == want, name
     assert (scfg.model_path, scfg.port, scfg.reasoning_parser, scfg.api_key) == (cfg.model_path, 30123, "qwen3", "sk-k")
     assert (cfg.server.port, cfg.server.launch_deadline_s, cfg.server.targets) == (31000, 60.0, ("local",))
+    assert cfg.server.allow_unauthenticated_bind is True
     assert cfg.server_gpus() == [3, 1]
 
 
 def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
     f = _write(tmp_path, BASE + '[server]\nspeculative_num_steps = 3\n')
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*speculative_algorithm"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.speculative_algorithm: .*speculative_algorithm"):
         load_partition(f)
 
 
