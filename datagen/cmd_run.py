@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
+from datagen._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for, exit_codes, parse_args, reports_errors
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
@@ -147,6 +147,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):
         return args
+    if args.partition is None and args.inputs and not (args.model_path or args.server_url):
+        print("datagen run: an --input run without --partition needs --model-path DIR (the model to "
+              "launch) or --server-url URL (a running server)", file=sys.stderr)
+        return EXIT_USAGE
     code, result = run_flow(partition_of(args), overrides_of(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")

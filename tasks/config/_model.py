@@ -206,8 +206,9 @@ class PartitionConfig:
             changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
         try:
             server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
-        except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus
-            raise ConfigError(f"{where}: {exc.field or 'server'}: {exc}") from exc
+        except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override
+            key = exc.field if exc.field in launch else ", ".join(sorted(launch))
+            raise ConfigError(f"{where}: {key}: {exc}") from exc
         out_cfg = dataclasses.replace(self, server=server, **changes)
         check_launch(out_cfg, where)
         return out_cfg
