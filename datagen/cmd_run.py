@@ -25,7 +25,15 @@ from typing import Any
 
 import httpx
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for, exit_codes, parse_args, reports_errors
+from datagen._cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code_for,
+    exit_codes,
+    parse_args,
+    reports_errors,
+)
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
