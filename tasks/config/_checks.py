@@ -122,15 +122,16 @@ def opt_str(value: Any, f: str, key: str) -> str | None:
 
 
 def input_file(path: Path, f: str, key: str) -> Path:
-    """A dataset file that exists and can be read as one (``tasks.prompts.check_input``)."""
+    """A dataset file that exists and can be read as one (``tasks.prompts.check_input``); ``key``
+    names it in the message (with its path where the key does not show it)."""
     if not path.exists():
-        raise ConfigError(f"{f}: {key}: {path}: no such file")
+        raise ConfigError(f"{f}: {key}: no such file")
     try:
         check_input(path)
     except ValueError as exc:
-        raise ConfigError(f"{f}: {key}: {path}: {exc}") from exc
+        raise ConfigError(f"{f}: {key}: {exc}") from exc
     except OSError as exc:
-        raise ConfigError(f"{f}: {key}: {path}: cannot be read: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{f}: {key}: cannot be read: {exc.strerror or exc}") from exc
     return path
 
 

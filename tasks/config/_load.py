@@ -115,7 +115,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
             raise ConfigError(f"{f}: {key}: {exc}") from exc
         if not isinstance(ds_path, str):
             raise ConfigError(f"{f}: {key}: must be a path string")
-        datasets[ds_name] = input_file(resolve_path(ds_path, base), f, key)
+        p = resolve_path(ds_path, base)
+        datasets[ds_name] = input_file(p, f, f"{key}: {p}")
 
     model = table(data, "model", f)
     no_unknown(model, _MODEL_KEYS, f, "model.")

@@ -94,9 +94,9 @@ def test_unusable_inputs_and_outputs_exit_2_with_one_line(tmp_path: Path) -> Non
         "status_garbage": ["status", str(garbage)],
     }, tmp_path)
     want = {
-        "dir": f"datagen run: configuration error: override: --input {folder}: {folder}: is a directory; "
+        "dir": f"datagen run: configuration error: override: --input {folder}: is a directory; "
                "give a dataset file (.jsonl or .parquet)",
-        "parquet": f"datagen run: configuration error: override: --input {bad_pq}: {bad_pq}: not a readable "
+        "parquet": f"datagen run: configuration error: override: --input {bad_pq}: not a readable "
                    "Parquet file: ",
         "out_file": f"datagen run: configuration error: override: out: {good}/out: {good} is not a directory; "
                     "choose another output directory",

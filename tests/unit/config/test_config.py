@@ -369,7 +369,7 @@ def test_input_and_output_paths_are_checked_at_load(tmp_path: Path) -> None:
         "output.root: /sys/datagen-out: cannot write in /sys (Operation not permitted); choose another output "
         "directory")
     cfg = load_partition("all")
-    with pytest.raises(ConfigError, match=rf"^override: --input {tmp_path}/dir\.jsonl: .*: is a directory"):
+    with pytest.raises(ConfigError, match=rf"^override: --input {tmp_path}/dir\.jsonl: is a directory; give a dataset file"):
         cfg.with_overrides(Overrides(inputs=(str(tmp_path / "dir.jsonl"),)))
     with pytest.raises(ConfigError, match=r"^override: out: /sys/x/y: cannot write in /sys"):
         cfg.with_overrides(Overrides(out="/sys/x/y"))
