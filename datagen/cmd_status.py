@@ -6,7 +6,8 @@ Prints shards committed/total and rows per dataset, open journals, the lock hold
 flow run) when a live process holds ``OUT/_lock``, the last validation verdict, and the
 ``--mem-fraction-static`` values tasks.server._tuner remembers (with headroom and runtime OOMs).
 
-Exit codes: 0 printed; 2 OUT_DIR is not a datagen output (no manifest) or usage error.
+Exit codes: 0 printed; 2 OUT_DIR is not a datagen output (a file, no manifest, or a manifest that is
+not one) or usage error.
 """
 
 from __future__ import annotations
