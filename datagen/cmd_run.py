@@ -2,10 +2,11 @@
 
     datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--model-path DIR] [--out DIR]
                 [--backend sglang|emulator] [--server-url URL] [--shard-size N] [--concurrency N]
-                [--mem-fraction-static F] [--reasoning-parser NAME]
+                [--tp-size N] [--mem-fraction-static F] [--reasoning-parser NAME]
 
 Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else an
-ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and server settings;
+ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and server settings:
+without ``--partition``, those of ``adhoc`` (one local GPU; ``--tp-size`` for more), else ``all``;
 ``--server-url`` uses a running server (no launch, no hygiene on it).
 
 Exit codes: 0 the run completed (validation passed); 1 the run failed (hygiene, launch, inference
@@ -25,7 +26,15 @@ from typing import Any
 
 import httpx
 
-from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
+from datagen._cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code_for,
+    exit_codes,
+    parse_args,
+    reports_errors,
+)
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
@@ -74,7 +83,8 @@ def ui_url() -> str | None:
 def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.", epilog=exit_codes(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--partition", default="all", help="partition name in deployments/ or a .toml path (default: all)")
+    p.add_argument("--partition", help="partition name in deployments/ or a .toml path "
+                   "(default: adhoc with --input, else all)")
     p.add_argument("--input", dest="inputs", action="append", metavar="PATH",
                    help="ad-hoc dataset file (JSONL or Parquet); repeatable; replaces the partition's datasets")
     p.add_argument("--model-path", help="model directory (on the target host)")
@@ -83,6 +93,7 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p.add_argument("--server-url", help="use this running server: no launch, no hygiene")
     p.add_argument("--shard-size", type=int)
     p.add_argument("--concurrency", type=int)
+    p.add_argument("--tp-size", type=int, help="GPUs the launched server uses (tensor parallel size)")
     p.add_argument("--mem-fraction-static", type=float, help="where the tuner starts")
     p.add_argument("--reasoning-parser", help="SGLang reasoning parser name (default: the partition's / the model's)")
     return p
@@ -91,6 +102,11 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
 def overrides_of(args: argparse.Namespace) -> Overrides:
     """The overrides among the parsed options (their dests are the override names)."""
     return Overrides.from_mapping(vars(args))
+
+
+def partition_of(args: argparse.Namespace) -> str:
+    """The partition to run: ``--partition``, else ``adhoc`` for an ``--input`` run, else ``all``."""
+    return args.partition or ("adhoc" if args.inputs else "all")
 
 
 def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
@@ -140,7 +156,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):
         return args
-    code, result = run_flow(args.partition, overrides_of(args))
+    if args.partition is None and args.inputs and not (args.model_path or args.server_url):
+        print("datagen run: an --input run without --partition needs --model-path DIR (the model to "
+              "launch) or --server-url URL (a running server)", file=sys.stderr)
+        return EXIT_USAGE
+    code, result = run_flow(partition_of(args), overrides_of(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
         print(result["validation"])

@@ -11,7 +11,8 @@ Exit codes:
   0  printed; every committed shard matches the manifest
   1  printed; a committed shard is missing or damaged (listed; `datagen repair OUT_DIR` un-commits
      it so the next run generates it again)
-  2  OUT_DIR is not a datagen output (no or unreadable manifest) or usage error
+  2  OUT_DIR is not a datagen output (a file, no manifest, or a manifest that is not one) or usage
+     error
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from tasks.shards import OutputDir
 
 
 def status(out: Path) -> dict[str, Any]:
-    """The status document of an output directory. Raises FileNotFoundError without a manifest."""
+    """The status document of an output directory.
+
+    Raises:
+        FileNotFoundError: ``out`` has no manifest.
+        NotADirectoryError: ``out`` is a file.
+        ManifestError: the manifest is not one.
+    """
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not an output directory: give the directory that holds "
+                                 "_manifest.json")
     od = OutputDir(out)
     manifest = od.read_manifest()
     if manifest is None:

@@ -59,6 +59,7 @@ def datagen(
     server_url: str | None = None,
     shard_size: int | None = None,
     concurrency: int | None = None,
+    tp_size: int | None = None,
     mem_fraction_static: float | None = None,
     reasoning_parser: str | None = None,
 ) -> dict[str, Any]:
@@ -66,8 +67,8 @@ def datagen(
 
     Args:
         partition: a name in deployments/ or a TOML path.
-        inputs, model_path, out, backend, server_url, shard_size, concurrency, mem_fraction_static,
-            reasoning_parser: override the partition config (``tasks.config.Overrides``; see
+        inputs, model_path, out, backend, server_url, shard_size, concurrency, tp_size,
+            mem_fraction_static, reasoning_parser: override the partition config (``tasks.config.Overrides``; see
             ``datagen run --help``).
 
     Raises:

@@ -94,9 +94,11 @@ def load_config(partition: str, overrides: Overrides) -> PartitionConfig:
     """Load ``deployments/<partition>.toml`` (or a path) and apply the overrides. Not retried.
 
     Raises:
-        ConfigError: the file or an override is invalid.
+        ConfigError: the file or an override is invalid, or the server would listen on a routable
+            address without an API key.
     """
     cfg = load_partition(partition).with_overrides(overrides)
+    cfg.check_bind()  # a routable server.host without a key: refused before any GPU work
     get_run_logger().info("partition %s: %s", cfg.name, cfg.to_summary())
     return cfg
 

@@ -322,6 +322,21 @@ def _plan(found: dict[str, Any], selected: list[int], include_other_users: bool,
     return sorted(findings.values(), key=lambda f: (f.action != "kill", f.pid))
 
 
+def _kept_by_spared(users: list[dict[str, Any]], findings: list[ProcessFinding], selected: list[int],
+                    threshold_mib: int) -> dict[int, tuple[int, list[int]]]:
+    """Selected GPUs on which spared processes alone hold more than ``threshold_mib``: GPU ->
+    (their MiB, their pids). No wait makes these GPUs clean."""
+    spared = {f.pid for f in findings if f.action == "spare"}
+    held: dict[int, dict[int, int]] = {}
+    for u in users:
+        pid, gpu = int(u["pid"]), int(u["gpu"])
+        if pid in spared and gpu in selected and u["mib"] is not None:
+            per_pid = held.setdefault(gpu, {})
+            per_pid[pid] = max(per_pid.get(pid, 0), int(u["mib"]))
+    return {gpu: (sum(per_pid.values()), sorted(per_pid)) for gpu, per_pid in held.items()
+            if sum(per_pid.values()) > threshold_mib}
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -408,11 +423,14 @@ def clean_gpus(
         return report
 
     procs = found["procs"]
+    kept = _kept_by_spared(found["gpu_users"], findings, selected, threshold_mib)
     request = {
         "op": "clean",
         "targets": [{"pid": f.pid, "start": procs[str(f.pid)]["start"]} for f in to_kill],
         "grace_s": grace_s, "kill_wait_s": KILL_WAIT_S, "gpus": selected,
-        "threshold_mib": threshold_mib, "deadline_s": deadline_s,
+        "threshold_mib": threshold_mib,
+        # Memory of processes hygiene spares is not released by waiting: one reading, no wait.
+        "deadline_s": 0.0 if kept else deadline_s,
     }
     answer = _call(tgt, request, timeout_s=grace_s + KILL_WAIT_S + deadline_s + 60)
     by_pid = {f.pid: f for f in findings}
@@ -431,8 +449,11 @@ def clean_gpus(
     report.waited_s = float(wait["waited_s"])
     if wait["error"]:
         report.verdict, report.error = "unknown", wait["error"]
-    elif report.survivors or not wait["reached"]:
+    elif report.survivors or not wait["reached"] or kept:
         report.verdict = "not_clean"
+        for gpu, (mib, pids) in sorted(kept.items()):
+            report.notes.append(f"GPU {gpu}: {mib} MiB held by spared pid(s) {','.join(map(str, pids))}: "
+                                "it cannot become clean while they run, so the memory deadline was not waited")
         over = [g.index for g in report.gpus if g.after_mib is None or g.after_mib > threshold_mib]
         if over:
             report.notes.append(f"GPU(s) {','.join(map(str, over))} still above {threshold_mib} MiB "

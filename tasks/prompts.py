@@ -27,6 +27,7 @@ __all__ = [
     "InputRow",
     "Reject",
     "TemplateError",
+    "check_input",
     "input_fingerprint",
     "iter_dataset",
     "opens_think",
@@ -55,6 +56,8 @@ class InputRow:
     line: int  # 1-based line (JSONL) or row number (Parquet)
     messages: list[dict[str, str]] = field(hash=False)
     prompt: str | None = None  # pre-rendered prompt text, when the input has one
+    # the input record as read (at most RAW_LIMIT_CHARS): what a reject of this row keeps
+    raw: str = field(default="", hash=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,7 @@ def iter_dataset(path: str | Path, dataset: str) -> Iterator[InputRow | Reject]:
             yield obj
             continue
         try:
-            row = _parse_row(obj, dataset, line)
+            row = _parse_row(obj, dataset, line, raw[:RAW_LIMIT_CHARS])
         except _BadRow as exc:
             yield Reject(dataset, line, str(exc), raw[:RAW_LIMIT_CHARS])
             continue
@@ -140,11 +143,42 @@ def iter_dataset(path: str | Path, dataset: str) -> Iterator[InputRow | Reject]:
         yield row
 
 
+_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+def check_input(path: str | Path) -> None:
+    """Check that ``path`` is a dataset ``iter_dataset`` can read, without reading its rows: a file
+    (not a directory) with a supported suffix that can be opened, and for Parquet a valid footer.
+
+    Args:
+        path: the dataset file (it exists).
+
+    Raises:
+        ValueError: a directory, an unsupported suffix, or not a Parquet file; the message says
+            what is wrong (not the path).
+        OSError: the file cannot be opened or read.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError("is a directory; give a dataset file (.jsonl or .parquet)")
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        try:
+            pq.ParquetFile(path).close()
+        except pa.ArrowInvalid as exc:
+            raise ValueError(f"not a readable Parquet file: {exc}") from exc
+    elif name.endswith(_JSONL_SUFFIXES):
+        with open(path, "rb") as fh:
+            fh.read(1)
+    else:
+        raise ValueError("unsupported dataset format (expected .jsonl, .json, .ndjson or .parquet)")
+
+
 def _iter_objects(path: Path, dataset: str) -> Iterator[tuple[int, Any, str]]:
     suffix = path.name.lower()
     if suffix.endswith(".parquet"):
         yield from _iter_parquet(path)
-    elif suffix.endswith((".jsonl", ".json", ".ndjson")):
+    elif suffix.endswith(_JSONL_SUFFIXES):
         yield from _iter_jsonl(path, dataset)
     else:
         raise ValueError(f"{path}: unsupported dataset format (expected .jsonl or .parquet)")
@@ -184,7 +218,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any, str]]:
             yield line, obj, json.dumps(obj, ensure_ascii=False, default=str)
 
 
-def _parse_row(obj: Any, dataset: str, line: int) -> InputRow:
+def _parse_row(obj: Any, dataset: str, line: int, raw: str) -> InputRow:
     if not isinstance(obj, dict):
         raise _BadRow(f"row is not an object (got {type(obj).__name__})")
     prompt = obj.get("prompt")
@@ -207,7 +241,7 @@ def _parse_row(obj: Any, dataset: str, line: int) -> InputRow:
         row_id = derive_id(dataset, messages, prompt)
     elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         raise _BadRow(f"id must be a string or integer (got {type(row_id).__name__})")
-    return InputRow(str(row_id), dataset, line, messages, prompt)
+    return InputRow(str(row_id), dataset, line, messages, prompt, raw)
 
 
 def _parse_turns(

@@ -8,10 +8,12 @@ checked type and raises ``ConfigError`` ("<f>: <key>: <what is wrong>") otherwis
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from tasks.errors import DatagenError
+from tasks.prompts import check_input
 from tasks.reasoning import PARSERS
 from tasks.targets import TargetError, parse_target
 
@@ -19,6 +21,7 @@ __all__ = [
     "ConfigError",
     "check_target",
     "fraction",
+    "input_file",
     "no_unknown",
     "nonneg_float",
     "nonneg_int",
@@ -28,6 +31,7 @@ __all__ = [
     "positive_int",
     "resolve_path",
     "table",
+    "writable_dir",
 ]
 
 
@@ -115,3 +119,34 @@ def opt_str(value: Any, f: str, key: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ConfigError(f"{f}: {key}: must be a non-empty string")
     return value
+
+
+def input_file(path: Path, f: str, key: str) -> Path:
+    """A dataset file that exists and can be read as one (``tasks.prompts.check_input``); ``key``
+    names it in the message (with its path where the key does not show it)."""
+    if not path.exists():
+        raise ConfigError(f"{f}: {key}: no such file")
+    try:
+        check_input(path)
+    except ValueError as exc:
+        raise ConfigError(f"{f}: {key}: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{f}: {key}: cannot be read: {exc.strerror or exc}") from exc
+    return path
+
+
+def writable_dir(path: Path, f: str, key: str) -> Path:
+    """A directory datagen can create and write: ``path`` itself when it exists, else its nearest
+    existing ancestor, must be a directory in which a directory can be made (tried, then removed:
+    permissions alone do not tell a read-only file system or root's limits)."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{f}: {key}: {path}: {probe} is not a directory; choose another output directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".datagen-write-test-", dir=probe))
+    except OSError as exc:
+        raise ConfigError(f"{f}: {key}: {path}: cannot write in {probe} ({exc.strerror or exc}); "
+                          "choose another output directory") from exc
+    return path

@@ -16,6 +16,7 @@ from tasks.config._checks import (
     ConfigError,
     check_target,
     fraction,
+    input_file,
     no_unknown,
     nonneg_float,
     nonneg_int,
@@ -25,6 +26,7 @@ from tasks.config._checks import (
     positive_int,
     resolve_path,
     table,
+    writable_dir,
 )
 from tasks.config._model import (
     BACKENDS,
@@ -32,9 +34,12 @@ from tasks.config._model import (
     PartitionConfig,
     ServerSettings,
     SimGpuSettings,
-    check_model,
+    check_launch,
 )
+from tasks.config._sampling import check_sampling
 from tasks.server import ServerConfig, ServerConfigError
+from tasks.shards import check_dataset_name
+from tasks.validation import ThresholdError, Thresholds
 
 __all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
 
@@ -104,14 +109,14 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     datasets: dict[str, Path] = {}
     for ds_name, ds_path in ds_raw.items():
         key = f"datasets.{ds_name}"
-        if not ds_name.replace("_", "").replace("-", "").isalnum():
-            raise ConfigError(f"{f}: {key}: dataset names use letters, digits, '_' and '-'")
+        try:
+            check_dataset_name(ds_name)  # a directory of the output, beside _journal/ and _rejects/
+        except ValueError as exc:
+            raise ConfigError(f"{f}: {key}: {exc}") from exc
         if not isinstance(ds_path, str):
             raise ConfigError(f"{f}: {key}: must be a path string")
         p = resolve_path(ds_path, base)
-        if not p.is_file():
-            raise ConfigError(f"{f}: {key}: input file {p} does not exist")
-        datasets[ds_name] = p
+        datasets[ds_name] = input_file(p, f, f"{key}: {p}")
 
     model = table(data, "model", f)
     no_unknown(model, _MODEL_KEYS, f, "model.")
@@ -144,14 +149,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     if server_url is not None and not server_url.startswith(("http://", "https://")):
         raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
 
-    sampling = table(data, "sampling", f)
-    for k, v in sampling.items():
-        if not isinstance(v, (int, float, str, bool, list)):
-            raise ConfigError(f"{f}: sampling.{k}: unsupported value {v!r}")
-    validation = table(data, "validation", f)
-    for k, v in validation.items():
-        if not isinstance(v, (int, float, bool, str, list)):
-            raise ConfigError(f"{f}: validation.{k}: unsupported value {v!r}")
+    sampling = check_sampling(table(data, "sampling", f), f)
+    validation = _check_validation(table(data, "validation", f), f)
 
     output = table(data, "output", f)
     no_unknown(output, _OUTPUT_KEYS, f, "output.")
@@ -174,15 +173,29 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
-        sampling=dict(sampling),
-        validation=dict(validation),
-        output_root=resolve_path(root, base),
+        sampling=sampling,
+        validation=validation,
+        output_root=writable_dir(resolve_path(root, base), f, "output.root"),
         versioned=versioned,
         sim_gpus=sim,
         server_url=server_url.rstrip("/") if server_url else None,
     )
-    check_model(cfg, f)
+    check_launch(cfg, f)
     return cfg
+
+
+def _check_validation(values: dict[str, Any], f: str) -> dict[str, Any]:
+    """``[validation]``: threshold names and values as tasks.validation.Thresholds takes them."""
+    for key, value in values.items():
+        try:
+            Thresholds.from_dict({key: value})
+        except ThresholdError as exc:
+            raise ConfigError(f"{f}: validation.{key}: {exc}") from exc
+    try:
+        Thresholds.from_dict(values)
+    except ThresholdError as exc:  # limits that contradict each other
+        raise ConfigError(f"{f}: [validation]: {exc}") from exc
+    return dict(values)
 
 
 def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
@@ -234,8 +247,13 @@ def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
                   enable_hierarchical_cache=bool(s.get("enable_hierarchical_cache", False)))
     try:
         launch_cfg = ServerConfig(model_path=model_path, **launch)
-    except (ServerConfigError, TypeError) as exc:  # TypeError: a value of the wrong type compared
+    except ServerConfigError as exc:
+        raise ConfigError(f"{f}: {'server.' + exc.field if exc.field else '[server]'}: {exc}") from exc
+    except TypeError as exc:  # a value of the wrong type compared
         raise ConfigError(f"{f}: [server]: {exc}") from exc
+    allow_open = s.get("allow_unauthenticated_bind", False)
+    if not isinstance(allow_open, bool):
+        raise ConfigError(f"{f}: server.allow_unauthenticated_bind: must be true or false")
     return ServerSettings(
         launch=launch_cfg,
         targets=tuple(targets),
@@ -243,4 +261,5 @@ def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
         api_key_secret=opt_str(s.get("api_key_secret"), f, "server.api_key_secret"),
         hub_token_secret=opt_str(s.get("hub_token_secret"), f, "server.hub_token_secret"),
         launch_deadline_s=nonneg_float(s.get("launch_deadline_s", 900.0), f, "server.launch_deadline_s"),
+        allow_unauthenticated_bind=allow_open,
     )

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config._checks import ConfigError, fraction, parser_name, positive_int
-from tasks.server import ServerConfig
+from tasks.config._checks import ConfigError, fraction, input_file, parser_name, positive_int, writable_dir
+from tasks.server import ServerConfig, ServerConfigError
+from tasks.shards import check_dataset_name
+from tasks.targets import parse_target
 
 __all__ = [
     "BACKENDS",
@@ -27,7 +31,8 @@ __all__ = [
     "PartitionConfig",
     "ServerSettings",
     "SimGpuSettings",
-    "check_model",
+    "check_launch",
+    "dataset_name_of",
 ]
 
 BACKENDS = ("sglang", "emulator")
@@ -57,6 +62,9 @@ class ServerSettings:
         api_key_secret: the Prefect Secret block holding the server's API key.
         hub_token_secret: the Prefect Secret block holding the model hub token.
         launch_deadline_s: how long a launch may take to become ready.
+        allow_unauthenticated_bind: accept a server on a routable address (``launch.host`` not a
+            loopback one) without an API key; refused otherwise, since anyone who reaches the
+            address can use the server.
     """
 
     launch: ServerConfig
@@ -65,6 +73,7 @@ class ServerSettings:
     api_key_secret: str | None = None
     hub_token_secret: str | None = None
     launch_deadline_s: float = 900.0
+    allow_unauthenticated_bind: bool = False
 
 
 # ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
@@ -89,6 +98,7 @@ class Overrides:
     server_url: str | None = None
     shard_size: int | None = None
     concurrency: int | None = None
+    tp_size: int | None = None
     mem_fraction_static: float | None = None
     reasoning_parser: str | None = None
 
@@ -117,10 +127,12 @@ class Overrides:
 def _input_datasets(inputs: tuple[str, ...], where: str) -> dict[str, Path]:
     datasets: dict[str, Path] = {}
     for raw in inputs:
-        p = Path(raw).expanduser().resolve()
-        if not p.is_file():
-            raise ConfigError(f"{where}: --input {raw}: no such file")
+        p = input_file(Path(raw).expanduser().resolve(), where, f"--input {raw}")
         name = dataset_name_of(p)
+        try:
+            check_dataset_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: --input {raw}: {exc}; rename the file") from exc
         if name in datasets:
             raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
         datasets[name] = p
@@ -172,7 +184,7 @@ class PartitionConfig:
         if overrides.model_path is not None:
             changes["model_path"] = launch["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
         if overrides.out is not None:
-            changes["output_root"] = Path(overrides.out).expanduser().resolve()
+            changes["output_root"] = writable_dir(Path(overrides.out).expanduser().resolve(), where, "out")
             changes["versioned"] = False
         if overrides.backend is not None:
             if overrides.backend not in BACKENDS:
@@ -186,13 +198,19 @@ class PartitionConfig:
             changes["shard_size"] = positive_int(overrides.shard_size, where, "shard_size")
         if overrides.concurrency is not None:
             changes["concurrency"] = positive_int(overrides.concurrency, where, "concurrency")
+        if overrides.tp_size is not None:
+            launch["tp_size"] = positive_int(overrides.tp_size, where, "tp_size")
         if overrides.mem_fraction_static is not None:
             launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
         if overrides.reasoning_parser is not None:
             changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
-        server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
+        try:
+            server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
+        except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override
+            key = exc.field if exc.field in launch else ", ".join(sorted(launch))
+            raise ConfigError(f"{where}: {key}: {exc}") from exc
         out_cfg = dataclasses.replace(self, server=server, **changes)
-        check_model(out_cfg, where)
+        check_launch(out_cfg, where)
         return out_cfg
 
     def server_config(self, port: int, reasoning_parser: str | None) -> ServerConfig:
@@ -208,7 +226,10 @@ class PartitionConfig:
 
         Raises:
             ServerConfigError: a setting ServerConfig rejects.
+            ConfigError: the server would listen on a routable address without an API key
+                (``check_bind``).
         """
+        self.check_bind()
         launch = self.server.launch
         env = dict(launch.env)
         token = self.hub_token()
@@ -242,6 +263,21 @@ class PartitionConfig:
         """The server's ``--api-key``: the Prefect Secret block named in the config (when an API
         is reachable), else ``$DATAGEN_API_KEY``. Never logged."""
         return _secret(self.server.api_key_secret, _ENV_API_KEY)
+
+    def check_bind(self) -> None:
+        """Refuse a launch that would listen on a routable address (``server.host`` not loopback)
+        with no API key (``api_key()`` None), unless ``server.allow_unauthenticated_bind``.
+
+        Raises:
+            ConfigError: no key for a routable address; names the file and ``server.host``.
+        """
+        server = self.server
+        if self.server_url is not None or server.allow_unauthenticated_bind or _loopback(server.launch.host):
+            return
+        if self.api_key() is None:
+            why = (f"the secret block {server.api_key_secret!r} has no value and ${_ENV_API_KEY} is unset"
+                   if server.api_key_secret else None)
+            _check_bind(server, str(self.source or "override"), why)
 
     def hub_token(self) -> str | None:
         """A model hub token for the server's environment (``HF_TOKEN``), same lookup order."""
@@ -278,12 +314,56 @@ def _secret(block_name: str | None, env_var: str) -> str | None:
     return os.environ.get(env_var) or None
 
 
-def check_model(cfg: PartitionConfig, where: str) -> None:
-    """Raises ``ConfigError`` when a local emulator's model directory has no config.json."""
-    # The sglang model dir lives on the target host (maybe remote): only a local emulator's can be checked.
-    if cfg.server_url is None and cfg.server.launch.backend == "emulator" and cfg.targets == ("local",):
+def check_launch(cfg: PartitionConfig, where: str) -> None:
+    """Check what can be checked on this host of a partition that launches its own server.
+
+    A local emulator's model directory must hold config.json (an SGLang model lives on the target
+    host); a local target's ``server.python`` must be an executable; a routable ``server.host``
+    needs an API key source (``server.api_key_secret`` or ``$DATAGEN_API_KEY``) or
+    ``server.allow_unauthenticated_bind``. A shared server (``run.server_url``) is not launched:
+    nothing is checked.
+
+    Args:
+        cfg: the partition.
+        where: the file (or "override") named in the message.
+
+    Raises:
+        ConfigError: a check failed; names ``where`` and the key.
+    """
+    if cfg.server_url is not None:
+        return
+    launch = cfg.server.launch
+    local = any(parse_target(t).is_local for t in cfg.targets)
+    if launch.backend == "emulator" and cfg.targets == ("local",):
         if not Path(cfg.model_path, "config.json").is_file():
             raise ConfigError(f"{where}: model.path: {cfg.model_path} has no config.json")
+    if local and shutil.which(launch.python) is None:
+        raise ConfigError(f"{where}: server.python: {launch.python} is not an executable on this host "
+                          "(the interpreter that has SGLang, or the emulator's)")
+    if cfg.server.api_key_secret is None and not os.environ.get(_ENV_API_KEY):
+        _check_bind(cfg.server, where, None)
+
+
+def _check_bind(server: ServerSettings, where: str, why_no_key: str | None) -> None:
+    """Refuse a routable ``server.host`` without an API key, unless the partition allows it."""
+    host = server.launch.host
+    if server.allow_unauthenticated_bind or _loopback(host):
+        return
+    why = why_no_key or f"no server.api_key_secret and ${_ENV_API_KEY} is unset"
+    raise ConfigError(
+        f"{where}: server.host: {host!r} is reachable from other machines but the server would have "
+        f"no API key ({why}); set server.api_key_secret or ${_ENV_API_KEY}, bind 127.0.0.1, or set "
+        "server.allow_unauthenticated_bind = true to accept an open server"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it resolves to some interface, which others may reach
+        return False
 
 
 _DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")

@@ -235,7 +235,7 @@ class InferencePool:
                 else:
                     prompt, reason = self.rows.prompt_for(item)
                     if prompt is None:
-                        self._journal_reject(shard, pos, item.line, reason, "", row_id=item.id)
+                        self._journal_reject(shard, pos, item.line, reason, item.raw, row_id=item.id)
                         self._account(shard, tg)
                     else:
                         await queue.put(_Item(shard, pos, item, prompt, self.rows.opens_think(prompt)))
@@ -267,7 +267,7 @@ class InferencePool:
                 res = await self.client.generate(item.prompt, self.sampling, rid=item.row.id)
             except PromptTooLong as exc:
                 self._journal_reject(shard, item.pos, item.row.line, f"prompt too long: {exc.message}",
-                                     "", row_id=item.row.id, status=exc.status)
+                                     item.row.raw, row_id=item.row.id, status=exc.status)
                 self._account(shard, tg)
                 continue
             row = self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res)

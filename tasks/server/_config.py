@@ -59,8 +59,12 @@ class ServerError(DatagenError, RuntimeError):
 
 
 class ServerConfigError(ServerError, ValueError):
-    """A ServerConfig field is invalid; the message names the field and the value."""
+    """A ServerConfig field is invalid; the message names the field and the value, ``field`` the
+    field's name."""
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ServerConfigError:
-            return ServerConfigError(f"server config: {name}={getattr(self, name)!r}: {why}")
+            return ServerConfigError(f"server config: {name}={getattr(self, name)!r}: {why}", name)
 
         if not str(self.model_path).strip():
             raise bad("model_path", "must not be empty")
@@ -137,13 +141,13 @@ class ServerConfig:
             if self.speculative_algorithm in ("EAGLE", "EAGLE3") and not self.speculative_draft_model_path:
                 raise bad("speculative_draft_model_path", f"{self.speculative_algorithm} needs a draft model")
         if self.api_key is not None and not self.api_key:
-            raise ServerConfigError("server config: api_key must not be empty (use None for no key)")
+            raise ServerConfigError("server config: api_key must not be empty (use None for no key)", "api_key")
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
             if flag in _MANAGED_FLAGS:
                 raise ServerConfigError(
                     f"server config: extra_args contains {flag}, which the launcher sets itself; "
-                    "use the config field instead"
+                    "use the config field instead", "extra_args"
                 )
         if self.gpus is not None:
             if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):

@@ -14,6 +14,7 @@ from tasks.shards._errors import (
     UnrecordedShards,
 )
 from tasks.shards._fs import (
+    check_dataset_name,
     shard_file_name,
     utc_now_iso,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "ShardRecord",
     "ShardsError",
     "UnrecordedShards",
+    "check_dataset_name",
     "rows_to_table",
     "shard_file_name",
     "utc_now_iso",

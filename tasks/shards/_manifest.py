@@ -82,7 +82,11 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(manifest, dict) or "shard_size" not in manifest:
         raise ManifestError(f"{path} has no shard_size")
-    manifest.setdefault("datasets", {})
+    datasets = manifest.setdefault("datasets", {})
+    if not (isinstance(datasets, dict) and all(
+            isinstance(ds, dict) and isinstance(ds.get("shards", {}), dict)
+            and all(isinstance(rec, dict) for rec in ds.get("shards", {}).values()) for ds in datasets.values())):
+        raise ManifestError(f"{path}: datasets: not a manifest's table of datasets and their shards")
     return manifest
 
 

@@ -280,3 +280,26 @@ def test_empty_gpu_list_is_refused_and_nothing_is_killed(sim_gpus, holders, caps
     with pytest.raises(ValueError, match="empty GPU list"):
         clean_gpus(gpus=[])
     assert alive(h.pid)
+
+
+def test_memory_of_a_spared_process_is_reported_at_once_not_awaited(sim_gpus, holders, reap_pids, capsys):
+    target = start_holder((0,), 2048)
+    holders.append(target)
+    other = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL, user=NOBODY)
+    reap_pids.append(other.pid)
+    try:
+        sim_gpus.set_allocation(0, 3000, pid=other.pid)
+        t0 = time.monotonic()
+        code = clean_main(["--gpus", "0", "--grace", "1", "--deadline", "20", "--json"])
+        elapsed = time.monotonic() - t0
+        data = json.loads(capsys.readouterr().out)
+        assert code == 1 and data["verdict"] == "not_clean"
+        assert elapsed < 8, f"waited {elapsed:.1f} s for memory a spared process holds"
+        assert data["waited_s"] < 1.0
+        assert not alive(target.pid)  # what it chose to end is still ended
+        assert alive(other.pid)
+        assert (f"GPU 0: 3000 MiB held by spared pid(s) {other.pid}: it cannot become clean while they run, "
+                "so the memory deadline was not waited") in data["notes"]
+    finally:
+        other.kill()
+        other.wait()

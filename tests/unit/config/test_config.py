@@ -8,11 +8,14 @@ import re
 import tomllib
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
+from tasks.config._sampling import SAMPLING_KEYS
 from tasks.server import ServerConfig
 from tests.support.common import free_port
 
@@ -60,7 +63,7 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
     ("body", "key", "fragment"),
     [
         ('[model]\npath = "m"\n', "[datasets]", "at least one"),
-        ('[datasets]\nx = "nope.jsonl"\n[model]\npath = "m"\n', "datasets.x", "does not exist"),
+        ('[datasets]\nx = "nope.jsonl"\n[model]\npath = "m"\n', "datasets.x", "no such file"),
         ('[datasets]\nx = "in.jsonl"\n', "model.path", "required"),
         (BASE + '[server]\nbackend = "vllm"\n', "server.backend", "not one of sglang, emulator"),
         (BASE + "[server]\nmem_fraction_static = 1.2\n", "server.mem_fraction_static", "fraction"),
@@ -89,7 +92,7 @@ def test_invalid_configs_name_file_and_key(tmp_path: Path, body: str, key: str, 
 
 
 def test_unknown_partition_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"nosuch\.toml: no such partition config \(known partitions: all, demo"):
+    with pytest.raises(ConfigError, match=r"nosuch\.toml: no such partition config \(known partitions: adhoc, all, demo"):
         load_partition("nosuch")
 
 
@@ -183,7 +186,7 @@ def test_cli_options_are_the_overrides() -> None:
 def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
     a, b = tmp_path / "alpha.jsonl", tmp_path / "alpha.parquet"
     a.write_text("{}\n")
-    b.write_bytes(b"")
+    pq.write_table(pa.table({"prompt": ["hi"]}), b)
     with pytest.raises(ConfigError, match=r"override: --input .*alpha\.parquet: a second input named 'alpha'"):
         load_partition("all").with_overrides(Overrides(inputs=(str(a), str(b))))
 
@@ -229,6 +232,7 @@ api_key_secret = "no-such-block"
 hub_token_secret = "no-such-block-either"
 launch_deadline_s = 60
 python = "/usr/bin/python3"
+allow_unauthenticated_bind = true
 """)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -249,12 +253,13 @@ python = "/usr/bin/python3"
         assert getattr(scfg, name) == want, name
     assert (scfg.model_path, scfg.port, scfg.reasoning_parser, scfg.api_key) == (cfg.model_path, 30123, "qwen3", "sk-k")
     assert (cfg.server.port, cfg.server.launch_deadline_s, cfg.server.targets) == (31000, 60.0, ("local",))
+    assert cfg.server.allow_unauthenticated_bind is True
     assert cfg.server_gpus() == [3, 1]
 
 
 def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
     f = _write(tmp_path, BASE + '[server]\nspeculative_num_steps = 3\n')
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*speculative_algorithm"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.speculative_algorithm: .*speculative_algorithm"):
         load_partition(f)
 
 
@@ -269,3 +274,172 @@ def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> 
     assert other.server_fingerprint() != cfg.server_fingerprint()
     shared = cfg.with_overrides(Overrides(server_url="http://127.0.0.1:9/"))
     assert shared.server_fingerprint() == "external:http://127.0.0.1:9"
+
+
+def _config_error(tmp_path: Path, body: str) -> str:
+    f = _write(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_partition(f)
+    return str(err.value).removeprefix(f"{f.resolve()}: ")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('[datasets]\n_journal = "in.jsonl"\n[model]\npath = "m"\n',
+         "datasets._journal: dataset name '_journal' must be 1-128 of [A-Za-z0-9._-], not starting with '_' or '.'"),
+        (BASE + "[validation]\nreasoning_missing_max_rat = 0.1\n",
+         "validation.reasoning_missing_max_rat: unknown validation threshold 'reasoning_missing_max_rat'; valid keys: "),
+        (BASE + '[validation]\nmin_rows = "ten"\n',
+         "validation.min_rows: validation threshold 'min_rows' must be an integer >= 0, not 'ten'"),
+        (BASE + "[server]\ntp_size = 2\ngpus = [0, 0]\n",
+         "server.gpus: server config: gpus=(0, 0): must be distinct non-negative GPU indexes"),
+        (BASE + '[server]\nextra_args = ["--tp-size", "2"]\n',
+         "server.extra_args: server config: extra_args contains --tp-size, which the launcher sets itself; "
+         "use the config field instead"),
+        (BASE + '[sampling]\ntemperature = "hot"\n', "sampling.temperature: 'hot' is not a number"),
+        (BASE + "[sampling]\nmax_new_tokens = -64\n", "sampling.max_new_tokens: -64 must be at least 0"),
+        (BASE + "[sampling]\nseed = 7\n", "sampling.seed: unknown key (SGLang calls it sampling_seed)"),
+        (BASE + "[sampling]\ntempreature = 0.6\n", "sampling.tempreature: unknown key (SGLang's sampling parameters: "),
+        (BASE + "[sampling]\ntop_p = 0\n", "sampling.top_p: 0 is out of range (0, 1]"),
+        (BASE + "[sampling]\ntop_k = 0\n", "sampling.top_k: 0 must be -1 (the whole vocabulary) or at least 1"),
+        (BASE + "[sampling]\nn = 2\n", "sampling.n: 2 must be 1 (datagen keeps one answer per prompt)"),
+        (BASE + '[sampling]\nstop = ["a", 3]\n', "sampling.stop: ['a', 3] must be a non-empty string or a list of them"),
+        (BASE + '[sampling]\nstop_regex = "(a"\n', "sampling.stop_regex: '(a' pattern '(a' is not a regular expression: "),
+        (BASE + "[sampling]\nmin_new_tokens = 50\nmax_new_tokens = 10\n",
+         "sampling.min_new_tokens: 50 is above sampling.max_new_tokens (10)"),
+        (BASE + '[sampling]\nregex = "a+"\njson_schema = "{}"\n',
+         "sampling.regex: only one of json_schema, regex, ebnf, structural_tag may be set (also set: json_schema)"),
+        (BASE + '[server]\npython = "/no/such"\n',
+         "server.python: /no/such is not an executable on this host (the interpreter that has SGLang, or the emulator's)"),
+        (BASE + '[server]\nallow_unauthenticated_bind = "yes"\n', "server.allow_unauthenticated_bind: must be true or false"),
+    ],
+)
+def test_configuration_errors_are_found_at_load_naming_file_and_key(tmp_path: Path, body: str, message: str) -> None:
+    assert _config_error(tmp_path, body).startswith(message)
+
+
+def test_every_sglang_sampling_parameter_is_accepted(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + """[sampling]
+max_new_tokens = 64
+min_new_tokens = 1
+stop = ["</s>"]
+stop_token_ids = [2]
+stop_regex = "\\\\n\\\\n"
+temperature = 0.6
+top_p = 0.95
+top_k = -1
+min_p = 0.05
+frequency_penalty = -0.5
+presence_penalty = 0.5
+repetition_penalty = 1.1
+n = 1
+beam_width = 1
+json_schema = "{}"
+ignore_eos = false
+skip_special_tokens = true
+spaces_between_special_tokens = true
+no_stop_trim = false
+stream_interval = 1
+logit_bias = {"42" = -100.0}
+sampling_seed = 7
+custom_params = {a = 1}
+watermark = {}
+""")
+    cfg = load_partition(f)
+    assert cfg.sampling["sampling_seed"] == 7 and cfg.sampling["logit_bias"] == {"42": -100.0}
+    assert set(cfg.sampling) == SAMPLING_KEYS - {"regex", "ebnf", "structural_tag"}
+
+
+def test_input_and_output_paths_are_checked_at_load(tmp_path: Path) -> None:
+    (tmp_path / "dir.jsonl").mkdir()
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    (tmp_path / "notes.txt").write_text("{}\n")
+    (tmp_path / "file").write_text("")
+    for path, message in [
+        ("dir.jsonl", f"datasets.x: {tmp_path}/dir.jsonl: is a directory; give a dataset file (.jsonl or .parquet)"),
+        ("bad.parquet", f"datasets.x: {tmp_path}/bad.parquet: not a readable Parquet file: "),
+        ("notes.txt", f"datasets.x: {tmp_path}/notes.txt: unsupported dataset format (expected .jsonl, .json, "
+                      ".ndjson or .parquet)"),
+    ]:
+        assert _config_error(tmp_path, f'[datasets]\nx = "{path}"\n[model]\npath = "m"\n').startswith(message)
+    assert _config_error(tmp_path, BASE + '[output]\nroot = "file/out"\n') == (
+        f"output.root: {tmp_path}/file/out: {tmp_path}/file is not a directory; choose another output directory")
+    assert _config_error(tmp_path, BASE + '[output]\nroot = "/sys/datagen-out"\n') == (
+        "output.root: /sys/datagen-out: cannot write in /sys (Operation not permitted); choose another output "
+        "directory")
+    cfg = load_partition("all")
+    with pytest.raises(ConfigError, match=rf"^override: --input {tmp_path}/dir\.jsonl: is a directory; give a dataset file"):
+        cfg.with_overrides(Overrides(inputs=(str(tmp_path / "dir.jsonl"),)))
+    with pytest.raises(ConfigError, match=r"^override: out: /sys/x/y: cannot write in /sys"):
+        cfg.with_overrides(Overrides(out="/sys/x/y"))
+    journal = tmp_path / "_journal.jsonl"
+    journal.write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"^override: --input .*_journal\.jsonl: dataset name '_journal' must be"):
+        cfg.with_overrides(Overrides(inputs=(str(journal),)))
+    assert not list(tmp_path.glob(".datagen-write-test-*"))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-host.example"])
+def test_a_routable_host_without_an_api_key_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       host: str) -> None:
+    monkeypatch.delenv("DATAGEN_API_KEY", raising=False)
+    body = BASE + f'[server]\nhost = "{host}"\n'
+    assert _config_error(tmp_path, body) == (
+        f"server.host: {host!r} is reachable from other machines but the server would have no API key "
+        "(no server.api_key_secret and $DATAGEN_API_KEY is unset); set server.api_key_secret or "
+        "$DATAGEN_API_KEY, bind 127.0.0.1, or set server.allow_unauthenticated_bind = true to accept an open server")
+    assert load_partition(_write(tmp_path, body + "allow_unauthenticated_bind = true\n")).server.launch.host == host
+    monkeypatch.setenv("DATAGEN_API_KEY", "sk-1")
+    assert load_partition(_write(tmp_path, body)).api_key() == "sk-1"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.9", "::1", "localhost"])
+def test_a_loopback_host_needs_no_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    monkeypatch.delenv("DATAGEN_API_KEY", raising=False)
+    cfg = load_partition(_write(tmp_path, BASE + f'[server]\nhost = "{host}"\n'))
+    cfg.check_bind()
+    assert cfg.server_config(30000, None).api_key is None
+
+
+def test_a_secret_block_without_a_value_is_refused_at_launch_for_a_routable_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DATAGEN_API_KEY", raising=False)
+    f = _write(tmp_path, BASE + '[server]\nhost = "0.0.0.0"\napi_key_secret = "no-such-block"\n')
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        cfg = load_partition(f)  # a secret block is named: its value is looked up at launch
+        msg = (rf"^{re.escape(str(f.resolve()))}: server\.host: '0\.0\.0\.0' is reachable from other machines but "
+               r"the server would have no API key \(the secret block 'no-such-block' has no value and "
+               r"\$DATAGEN_API_KEY is unset\)")
+        with pytest.raises(ConfigError, match=msg):
+            cfg.check_bind()
+        with pytest.raises(ConfigError, match=msg):
+            cfg.server_config(30000, None)
+
+
+def test_tp_size_override(tmp_path: Path) -> None:
+    cfg = load_partition("all")
+    assert cfg.server.launch.tp_size == 8
+    assert cfg.with_overrides(Overrides(tp_size=2)).server_gpus() == [0, 1]
+    with pytest.raises(ConfigError, match=r"^override: tp_size: 0 is not a positive integer"):
+        cfg.with_overrides(Overrides(tp_size=0))
+    f = _write(tmp_path, BASE + "[server]\ntp_size = 2\ngpus = [4, 5]\n")
+    with pytest.raises(ConfigError, match=r"^override: tp_size: server config: gpus=\(4, 5\): tp_size=3 needs"):
+        load_partition(f).with_overrides(Overrides(tp_size=3))
+
+
+def test_an_input_run_without_a_partition_uses_the_adhoc_partition_on_one_gpu(tmp_path: Path) -> None:
+    from datagen.cmd_run import build_parser, partition_of
+
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("{}\n")
+    args = build_parser().parse_args(["--input", str(inp), "--model-path", str(tmp_path)])
+    assert partition_of(args) == "adhoc"
+    cfg = load_partition(partition_of(args)).with_overrides(Overrides(inputs=(str(inp),), model_path=str(tmp_path)))
+    assert (cfg.server.launch.tp_size, cfg.server_gpus(), cfg.server.port, cfg.versioned) == (1, [0], 0, False)
+    assert dict(cfg.datasets) == {"prompts": inp} and cfg.model_path == str(tmp_path)
+    args = build_parser().parse_args(["--input", str(inp), "--model-path", str(tmp_path), "--tp-size", "4"])
+    assert load_partition(partition_of(args)).with_overrides(Overrides.from_mapping(vars(args))).server_gpus() == [
+        0, 1, 2, 3]
+    assert partition_of(build_parser().parse_args([])) == "all"
+    assert partition_of(build_parser().parse_args(["--input", str(inp), "--partition", "demo"])) == "demo"

@@ -189,3 +189,20 @@ def test_dead_server_process_raises_server_gone_at_once(tmp_path, sim_gpus, emul
     assert crashed and gone - crashed[0] < 2.0, f"ServerGone {gone - crashed[0]:.2f} s after the crash"
     assert "its server process is dead" in str(e.value) and "rerun to resume" in str(e.value)
     assert "no running event loop" not in "".join(traceback.format_exception(e.value))
+
+
+def test_template_and_context_length_rejects_keep_the_input_row(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_input(inp, 4, long_at=(1,))
+    lines = inp.read_text().splitlines()
+    # The demo model's template refuses a tool turn before the first user turn.
+    bad_roles = json.dumps({"id": "roles", "messages": [{"role": "tool", "content": "t"},
+                                                        {"role": "user", "content": "u"}]})
+    inp.write_text("\n".join([*lines, bad_roles]) + "\n")
+    r = run(inp, out, emulator.url, sampling={"max_new_tokens": 20})
+    assert (r.rows_generated, r.rejects) == (3, 2)
+    rejects = {x["id"]: x for x in OutputDir(out).read_rejects("ds")}
+    assert rejects["q00001"]["raw"] == lines[1] and rejects["q00001"]["status"] == 400
+    assert rejects["q00001"]["reason"].startswith("prompt too long: ")
+    assert rejects["roles"]["raw"] == bad_roles
+    assert rejects["roles"]["reason"].startswith("chat template failed: ")

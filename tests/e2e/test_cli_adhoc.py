@@ -1,0 +1,37 @@
+"""`datagen run --input X --model-path Y` without a partition on a host with fewer GPUs than `all` uses:
+the ad-hoc partition runs on one GPU and completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emulator.simgpu import ENV_VAR, SimGpus
+from tasks.shards import OutputDir
+from tests.support.paths import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+
+
+def test_input_run_on_a_two_gpu_host_completes_on_one_gpu(tmp_path: Path) -> None:
+    gpus = SimGpus.init(tmp_path / "sim-gpus.json", count=2)
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Q{i}?"}]}) + "\n"
+                           for i in range(12)))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
+    env.update({ENV_VAR: str(gpus.path)}, PREFECT_HOME=str(tmp_path / "prefect"), DATAGEN_RUN_DIR=str(tmp_path / "run"),
+               DATAGEN_STATE_DIR=str(tmp_path / "state"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+    res = subprocess.run([DATAGEN, "run", "--input", str(inp), "--model-path", str(REPO_ROOT / "data/models/demo"),
+                          "--backend", "emulator", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=400, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"completed: 12 rows in {out}" in res.stdout
+    assert [s.rows for s in OutputDir(out).committed_shards("prompts")] == [12]
