@@ -24,6 +24,7 @@ from typing import IO, Any
 from tasks.errors import DatagenError
 
 __all__ = [
+    "read_json_object",
     "TMP_MARK",
     "UnsafeFile",
     "append_durable",
@@ -248,3 +249,22 @@ def append_durable(path: Path | str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_json_object(path: Path | str, what: str | None = None) -> dict[str, Any]:
+    """The JSON object stored in ``path`` (a model's config.json, tokenizer_config.json...).
+
+    Args:
+        what: what the file is, for the messages (``"model config"``).
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8 JSON, or holds something other than an object;
+            the message names the path.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read {what}: {exc}" if what else f"{path}: cannot read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {what} is not a JSON object" if what else f"{path}: not a JSON object")
+    return data

@@ -20,6 +20,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tasks.errors import DatagenError
+from tasks.files import read_json_object
 from tasks.reasoning import tags_for
 
 __all__ = [
@@ -419,12 +420,9 @@ class ChatTemplate:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TemplateError(f"{path}: cannot read: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TemplateError(f"{path}: not a JSON object")
-    return data
+        return read_json_object(path)
+    except ValueError as exc:
+        raise TemplateError(str(exc)) from exc
 
 
 def render_row(row: InputRow, template: ChatTemplate, **template_kwargs: Any) -> str:

@@ -7,10 +7,10 @@ split later without a server. gpt-oss's Harmony channels are parsed in ``_harmon
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.files import read_json_object
 from tasks.reasoning._harmony import parse_harmony
 
 __all__ = ["PARSERS", "ParserSpec", "parser_for_model", "split_reasoning", "tags_for"]
@@ -179,12 +179,7 @@ def parser_for_model(model_dir: str | Path) -> str | None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read model config: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: model config is not a JSON object")
+    config = read_json_object(path, "model config")
     name = Path(model_dir).resolve().name.lower()
     model_type = str(config.get("model_type") or "").lower()
     architectures = [str(a) for a in config.get("architectures") or []]
