@@ -38,7 +38,7 @@ from prefect import flow
 from prefect.context import get_run_context
 
 from flows import runrecord
-from flows.gpulimit import gpu_slots, host_of
+from flows.gpulimit import gpu_slots, host_of, slot_holders
 from flows.hooks import cleanup_hook
 from flows.progress import Progress
 from flows.stages import (
@@ -106,7 +106,9 @@ def datagen(
             if cfg.server_url is None:
                 _release_dead_leases(run_id)
                 _end_dead_servers(run_id, cfg.hygiene_grace_s)
-            with gpu_slots([] if cfg.server_url else [target], on_lease=_record_lease(run_id)):
+            with gpu_slots([] if cfg.server_url else [target], on_lease=_record_lease(run_id),
+                           on_release=lambda: runrecord.update(run_id, lease_released=True),
+                           holders=lambda name: slot_holders(name, exclude=run_id)):
                 if cfg.server_url is None:
                     hygiene(target, host, "before-launch", cfg.hygiene_grace_s, gpus=gpus)
                     server = launch_server(cfg, target, host, plan, parser, run_id)
@@ -135,9 +137,6 @@ def datagen(
             progress.close()
             if server is not None:
                 stop(server, host, run_id)
-            if runrecord.read(run_id or "").get("lease_released") is False:
-                # gpu_slots released it on the way out: the next run need not try (runrecord).
-                runrecord.update(run_id, lease_released=True)
         report = validate(cfg, plan)
         latest = promote(plan)
     return {"partition": cfg.name, "out_dir": str(plan.out_dir), "latest": latest,

@@ -83,6 +83,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
     lease = record.get("lease")
+    released = False
     if lease:
         from flows.gpulimit import release_lease
 
@@ -91,7 +92,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
     _artifact(flow_run.id, "\n".join(lines), logger)
     # lease_released: the next run on this host need not try it again (runrecord.release_dead_leases).
-    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease else {}))
+    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease and released else {}))
 
 
 def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:
