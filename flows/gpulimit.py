@@ -30,7 +30,7 @@ SLOT_WAIT_S = 300.0  # a live run holding the host: wait this long, then fail na
 _LOG_EVERY_S = 30.0
 
 
-class SlotTimeout(DatagenError, TimeoutError):
+class SlotTimeout(DatagenError, RuntimeError):
     """Another run held ``gpu:<host>`` longer than the slot wait bound; the message names it."""
 
 
@@ -144,7 +144,7 @@ def _acquire(names: list[str], timeout_s: float, holders: Callable[[str], str] |
             if len(body.get("limits") or []) != len(names):
                 release_lease(str(lease_id))
                 raise ConcurrencySlotAcquisitionError(f"Concurrency limits {names!r} must be created before acquiring slots")
-            if time.monotonic() - started > 1.0:
+            if next_log > started:  # it waited for another holder
                 log.info("got the GPU slot (%s) after %.1f s", ", ".join(names), time.monotonic() - started)
             return lease_id
 
