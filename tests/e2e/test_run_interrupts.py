@@ -181,3 +181,20 @@ def test_a_live_slot_holder_is_named_and_the_wait_is_bounded(tmp_path: Path, rea
     assert holder.poll() is None and record["lease"]  # the holder was never disturbed
     os.killpg(holder.pid, signal.SIGINT)
     assert holder.wait(timeout=30) == 130
+
+
+def test_the_api_server_start_up_bound_is_configurable_and_nothing_is_left(tmp_path: Path) -> None:
+    part, _ = partition(tmp_path, {"ds": 4}, FAST_EMU, shard=4, conc=2, max_relaunches=0)
+    env = _env(tmp_path, DATAGEN_API_START_TIMEOUT_S="0.01")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    proc = subprocess.run([DATAGEN, "run", "--partition", str(part)], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("datagen run: the Prefect API server did not answer within 0.01 s "
+                           "(DATAGEN_API_START_TIMEOUT_S raises the bound)\n")
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert _api_records(tmp_path) == []
+    bad = subprocess.run([DATAGEN, "run", "--partition", str(part)], env=dict(env, DATAGEN_API_START_TIMEOUT_S="soon"),
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr == "datagen run: DATAGEN_API_START_TIMEOUT_S='soon': expected a positive number of seconds\n"
