@@ -163,9 +163,9 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 def _drain_prefect() -> None:
     """Send Prefect's queued logs and events while the API still answers."""
     with contextlib.suppress(Exception):
-        from prefect.logging.handlers import APILogHandler
+        from prefect.logging.handlers import APILogWorker
 
-        APILogHandler.flush()
+        APILogWorker.drain_all(timeout=5)
     with contextlib.suppress(Exception):
         from prefect.events.worker import EventsWorker
 
