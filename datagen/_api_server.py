@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from flows import runrecord
+from flows.gpulimit import seconds_from_env
 from tasks.config import state_dir
 from tasks.errors import DatagenError
 
@@ -55,16 +56,7 @@ def start_timeout_s() -> float:
     Raises:
         ValueError: the variable is not a positive number.
     """
-    raw = os.environ.get(START_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return START_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{START_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return seconds_from_env(START_TIMEOUT_ENV, START_TIMEOUT_S)
 
 
 def _records_dir() -> Path:

@@ -21,7 +21,7 @@ from tasks.errors import DatagenError
 
 __all__ = [
     "LEASE_S", "SLOT_WAIT_ENV", "SLOT_WAIT_S", "SlotTimeout", "ensure_limits", "gpu_slots", "host_of", "limit_name",
-    "release_lease", "slot_holders", "slot_wait_s",
+    "release_lease", "seconds_from_env", "slot_holders", "slot_wait_s",
 ]
 
 LEASE_S = 60.0  # the API's minimum: how long a crashed run without hook can block a host
@@ -195,15 +195,24 @@ def slot_wait_s() -> float:
     Raises:
         ValueError: the variable is not a positive number.
     """
-    raw = os.environ.get(SLOT_WAIT_ENV, "").strip()
+    return seconds_from_env(SLOT_WAIT_ENV, SLOT_WAIT_S)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable ``name``, ``default`` when unset.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive number.
+    """
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return SLOT_WAIT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"{SLOT_WAIT_ENV}={raw!r}: expected a positive number of seconds")
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
     return value
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from datagen._api_server import ApiServerError
 from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
+from flows.gpulimit import SlotTimeout
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
@@ -36,7 +38,7 @@ RETRYABLE: set[type[DatagenError]] = {GpusNotClean, ProbeFailed, StopFailed, Tar
 NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
-    ExportError, ThresholdError, BadOutput, ValidationFailed, UpError,
+    ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, SlotTimeout, ApiServerError,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
@@ -46,7 +48,7 @@ USAGE: set[type[DatagenError]] = {
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
-    RequestRejected, PromptTooLong, ValidationFailed, UpError,
+    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError,
 }
 
 
