@@ -82,7 +82,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level = logger.info if verdict == "clean" else logger.error
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
-    lease = record.get("lease")
+    lease = None if record.get("lease_released") else record.get("lease")  # gpu_slots let it go on the way out
     released = False
     if lease:
         from flows.gpulimit import release_lease

@@ -92,17 +92,17 @@ def test_kill9_at_startup_launch_and_inference_never_blocks_the_next_run(
     def new_record(pred: Callable[[dict], bool]) -> Callable[[], bool]:
         return lambda: any(k not in seen_runs and pred(r) for k, r in records(tmp_path).items())
 
-    moments: list[tuple[str, Callable[[], bool]]] = [
-        ("start-up", lambda: bool(_api_records(tmp_path))),  # its API server exists
-        ("launch", new_record(lambda r: bool(r.get("servers")))),  # slot held, server starting
-        ("inference", lambda: done_rows(out) >= 30),
+    moments: list[tuple[str, Callable[[subprocess.Popen[bytes]], bool]]] = [
+        ("start-up", lambda proc: bool(_descendants(proc.pid))),  # its Prefect API server exists
+        ("launch", lambda proc: new_record(lambda r: bool(r.get("servers")))()),  # slot held, server starting
+        ("inference", lambda proc: done_rows(out) >= 30),
     ]
     killed: list[int] = []
     for i, (moment, ready) in enumerate(moments):
         log = tmp_path / f"run-{i}.log"
         proc = _start(cmd, env, log)
         reap_pids.append(proc.pid)
-        _wait_for(proc, log, moment, ready)
+        _wait_for(proc, log, moment, lambda: ready(proc))  # noqa: B023 (called before the next round)
         family = [proc.pid, *(p.pid for p in _descendants(proc.pid))]
         reap_pids.extend(family)
         killed.extend(family)
