@@ -30,7 +30,9 @@ sys.path.insert(0, str(REPO))
 from tasks.inference import (  # noqa: E402 - bench scripts run as files: the repo goes on sys.path first
     ClientConfig,
     DatasetSpec,
+    Endpoint,
     GenerateClient,
+    InferenceSettings,
     run_dataset,
     run_dataset_async,
 )
@@ -132,9 +134,9 @@ async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transp
 
 
 def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: str) -> tuple[float, int]:
-    r = run_dataset(DatasetSpec("bench", inp), out, url, model_dir=DEMO, shard_size=1000,
-                    concurrency=CONCURRENCY, sampling=sampling,
-                    client_config=ClientConfig(transport=transport))  # type: ignore[arg-type]
+    settings = InferenceSettings(model_dir=DEMO, shard_size=1000, concurrency=CONCURRENCY, sampling=sampling,
+                                 client=ClientConfig(transport=transport))  # type: ignore[arg-type]
+    r = run_dataset(DatasetSpec("bench", inp), out, Endpoint(url, "bench"), settings)
     return r.rows_generated / r.elapsed_s, r.rows_generated
 
 
@@ -154,8 +156,9 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
                 pass
 
     task = asyncio.create_task(sampler())
-    r = await run_dataset_async(DatasetSpec("util", inp), out, url, model_dir=DEMO, shard_size=200,
-                                concurrency=None, sampling={"max_new_tokens": 256})
+    r = await run_dataset_async(DatasetSpec("util", inp), out, Endpoint(url, "bench"),
+                                InferenceSettings(model_dir=DEMO, shard_size=200, concurrency=None,
+                                                  sampling={"max_new_tokens": 256}))
     done.set()
     await task
     # steady state: from the first sample with every slot running to the last one where the server had
@@ -173,10 +176,11 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
 _MEM_CHILD = """
 import json, resource, sys
 from pathlib import Path
-from tasks.inference import DatasetSpec, run_dataset
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
 a = json.loads(sys.argv[1])
-r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=1000,
-                concurrency=64, sampling={"max_new_tokens": 16})
+r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], Endpoint(a["url"], "bench"),
+                InferenceSettings(model_dir=a["model"], shard_size=1000, concurrency=64,
+                                  sampling={"max_new_tokens": 16}))
 assert r.complete, r
 end = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")][0]
 print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rows": r.rows_generated,

@@ -33,6 +33,8 @@ from flows import runrecord
 from flows.gpulimit import seconds_from_env
 from tasks.config import state_dir
 from tasks.errors import DatagenError
+from tasks.files import atomic_write_json
+from tasks.procs import process_started, terminate_group
 
 __all__ = [
     "LEASE_STORAGE", "START_TIMEOUT_ENV", "START_TIMEOUT_S", "ApiServerError", "end_orphans", "owned_api",
@@ -142,14 +144,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    terminate_group(proc.pid, grace_s, leader=proc)
 
 
 def _drain_prefect() -> None:
@@ -191,13 +186,11 @@ def owned_api() -> Iterator[str | None]:
             port = _free_port()
             proc = _spawn(port, log)
             record = folder / f"{proc.pid}.json"
+            url = f"http://127.0.0.1:{port}/api"
             entry = {"target": "local", "host": socket.gethostname(), "pid": proc.pid, "pgid": proc.pid,
-                     "started": runrecord.owner(proc.pid)["started"], "owner": runrecord.owner(),
-                     "url": f"http://127.0.0.1:{port}/api", "log": str(log)}
-            tmp = record.with_suffix(".tmp")
-            tmp.write_text(json.dumps(entry))
-            os.replace(tmp, record)
-            status = _wait_healthy(proc, entry["url"], timeout_s)
+                     "started": process_started(proc.pid), "owner": runrecord.owner(), "url": url, "log": str(log)}
+            atomic_write_json(record, entry)
+            status = _wait_healthy(proc, url, timeout_s)
             if status is None:
                 break
             record.unlink(missing_ok=True)
@@ -205,7 +198,6 @@ def owned_api() -> Iterator[str | None]:
                 raise ApiServerError(f"the Prefect API server exited with status {status}:\n{_tail(log)}")
         else:
             raise ApiServerError(f"the Prefect API server found no free port:\n{_tail(log)}")
-        url = str(entry["url"])
         os.environ["PREFECT_API_URL"] = url
         try:
             yield url

@@ -15,12 +15,12 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from datagen._cli import EXIT_OK, exit_codes, parse_args, reports_errors
 from tasks.export import FORMATS, check_export_target, export
+from tasks.files import atomic_writer
 
 
 @reports_errors("datagen export")
@@ -44,17 +44,9 @@ def main(argv: list[str]) -> int:
     else:
         target = Path(args.out)
         check_export_target(args.out_dir, target)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                report = export(args.out_dir, args.format, fh, datasets=args.dataset,
-                                include_truncated=args.include_truncated,
-                                allow_incomplete=args.allow_incomplete)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_writer(target) as fh:
+            report = export(args.out_dir, args.format, fh, datasets=args.dataset,
+                            include_truncated=args.include_truncated, allow_incomplete=args.allow_incomplete)
     where = args.out or "stdout"
     print(f"exported {report.rows} rows from {report.shards} shards as {args.format} to {where}"
           f" ({report.skipped_truncated} truncated/aborted rows left out)", file=sys.stderr)

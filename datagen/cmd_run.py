@@ -28,7 +28,7 @@ import httpx
 from datagen._api_server import owned_api
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
 from flows.gpulimit import ensure_limits, limit_name
-from tasks.config import BACKENDS, ConfigError, PartitionConfig, load_partition, project_root
+from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
 
 
@@ -89,16 +89,15 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     return p
 
 
-def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("inputs", "model_path", "out", "backend", "server_url", "shard_size", "concurrency",
-            "mem_fraction_static", "reasoning_parser")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+def overrides_of(args: argparse.Namespace) -> Overrides:
+    """The overrides among the parsed options (their dests are the override names)."""
+    return Overrides.from_mapping(vars(args))
 
 
-def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
+def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
     """Validate the config, run the flow; returns (exit code, flow result or error)."""
     try:
-        cfg = load_partition(partition).with_overrides(**overrides)
+        cfg = load_partition(partition).with_overrides(overrides)
     except ConfigError as exc:
         return exit_code_for(exc), exc
     locked = _locked(cfg)
@@ -112,7 +111,7 @@ def run_flow(partition: str, overrides: dict[str, Any]) -> tuple[int, Any]:
 
         if cfg.server_url is None:
             ensure_limits([limit_name(t) for t in cfg.targets])
-        state = datagen(partition=partition, **overrides, return_state=True)
+        state = datagen(partition=partition, **overrides.as_kwargs(), return_state=True)
         if state.is_completed():
             return EXIT_OK, state.result()
         err = state.result(raise_on_failure=False)

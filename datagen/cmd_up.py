@@ -35,6 +35,8 @@ from datagen._cli import EXIT_OK, EXIT_USAGE, exit_codes, parse_args, reports_er
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
+from tasks.files import atomic_write_json
+from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
 
 POOL = "gpu"
 DEFAULT_PORT = 4200
@@ -65,10 +67,7 @@ def _tail(path: Path, n: int = 20) -> str:
 
 
 def _write_pid(run_dir: Path, name: str, pid: int) -> None:
-    info = {"pid": pid, "create_time": psutil.Process(pid).create_time()}
-    tmp = run_dir / f".{name}.pid.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, run_dir / f"{name}.pid")
+    atomic_write_json(run_dir / f"{name}.pid", {"pid": pid, "create_time": process_started(pid)}, indent=None)
 
 
 def _read_pid(run_dir: Path, name: str) -> psutil.Process | None:
@@ -76,13 +75,9 @@ def _read_pid(run_dir: Path, name: str) -> psutil.Process | None:
     path = run_dir / f"{name}.pid"
     try:
         info = json.loads(path.read_text())
-        proc = psutil.Process(int(info["pid"]))
-        if abs(proc.create_time() - float(info["create_time"])) > 0.05:
-            return None
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except (OSError, ValueError, KeyError, psutil.Error):
+        identity = ProcessIdentity(int(info["pid"]), float(info["create_time"]))
+        return psutil.Process(identity.pid) if same_process(identity) else None
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
         return None
 
 
@@ -96,32 +91,16 @@ def _start(argv: list[str], log: Path, env: dict[str, str], cwd: Path) -> int:
 
 
 def _stop(proc: psutil.Process, first: signal.Signals, grace_s: float) -> str:
-    """Signal the process group led by ``proc`` (``first``, then SIGKILL after ``grace_s``)."""
+    """Signal the process group led by ``proc`` and its whole tree (``first``, then SIGKILL after
+    ``grace_s``): Prefect starts some children in sessions of their own."""
     try:
-        members = [proc, *proc.children(recursive=True)]
+        tree = [proc.pid, *(c.pid for c in proc.children(recursive=True))]
     except psutil.NoSuchProcess:
         return "already gone"
-    for p in members:
-        try:
-            p.send_signal(first)
-        except psutil.NoSuchProcess:
-            pass
-    _gone, alive = psutil.wait_procs(members, timeout=grace_s)
-    alive = [p for p in alive if _alive(p)]
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    return f"stopped with {first.name}" if not alive else "killed with SIGKILL"
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    end = terminate_group(proc.pid, grace_s, first=first, kill_wait_s=5.0, with_pids=tree)
+    if end.ended_by == "gone":
+        return "already gone"
+    return "killed with SIGKILL" if end.ended_by == "SIGKILL" else f"stopped with {first.name}"
 
 
 # ------------------------------------------------------------------------------------ up

@@ -12,12 +12,12 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
+from tasks.files import atomic_write_json
+from tasks.procs import ProcessIdentity, process_started, same_process
 
 ENV_VAR = "DATAGEN_SIM_GPUS"
 DEFAULT_NAME = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
@@ -30,6 +30,7 @@ __all__ = [
     "SimGpuOutOfMemory",
     "SimGpus",
     "sim_path_from_env",
+    "use_sim_gpus",
 ]
 
 
@@ -51,29 +52,30 @@ class SimGpuOutOfMemory(SimGpuError):
         )
 
 
+def use_sim_gpus(path: str | os.PathLike[str], *, count: int, total_mib: int, name: str | None = None,
+                 release_delay_s: float = 0.0) -> str:
+    """Point this process and its children at the simulated GPUs in ``path`` (``ENV_VAR``),
+    creating them when the file does not exist yet; returns the path.
+
+    Raises:
+        SimGpuError: ``count`` or ``total_mib`` is out of range.
+    """
+    if not os.path.exists(path):
+        SimGpus.init(path, count=count, total_mib=total_mib, name=name or DEFAULT_NAME,
+                     release_delay_s=release_delay_s)
+    # The server, its schedulers and hygiene (all children of this process) read the same file.
+    os.environ[ENV_VAR] = os.fspath(path)
+    return os.fspath(path)
+
+
 def sim_path_from_env() -> str | None:
     """The state file named by ``DATAGEN_SIM_GPUS``, or None when simulated GPUs are not in use."""
     value = os.environ.get(ENV_VAR, "").strip()
     return value or None
 
 
-def _process_create_time(pid: int) -> float | None:
-    """Start time of a live, non-zombie process, or None when it is gone or a zombie."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc.create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
-        return None
-
-
 def _owner_alive(alloc: dict[str, Any]) -> bool:
-    started = _process_create_time(int(alloc["pid"]))
-    if started is None:
-        return False
-    recorded = alloc.get("create_time")
-    return recorded is None or abs(started - float(recorded)) < 0.05
+    return same_process(ProcessIdentity(int(alloc["pid"]), alloc.get("create_time")))
 
 
 def _uuid_for(seed: str, index: int) -> str:
@@ -162,16 +164,7 @@ class SimGpus:
         return state
 
     def _write(self, state: dict[str, Any]) -> None:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=".simgpu-", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(state, f, indent=1)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(self.path, state, indent=1)
 
     def _reap(self, state: dict[str, Any], now: float) -> bool:
         """Mark newly dead owners and drop allocations past the release delay. True if changed."""
@@ -216,7 +209,7 @@ class SimGpus:
             SimGpuError: ``pid`` names no process, or the state file is unreadable.
         """
         pid = os.getpid() if pid is None else int(pid)
-        create_time = _process_create_time(pid)
+        create_time = process_started(pid)
         if create_time is None:
             raise SimGpuError(f"cannot allocate simulated GPU memory for pid {pid}: no such process")
         with self._locked():

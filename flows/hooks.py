@@ -14,10 +14,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactCreate
 from prefect.logging.loggers import flow_run_logger
 
 from flows import runrecord
-from flows.gpulimit import host_of
+from flows.gpulimit import host_of, release_lease
+from tasks.config import load_partition
+from tasks.hygiene import clean_gpus
 
 __all__ = ["cleanup_hook"]
 
@@ -33,12 +37,9 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     grace = 5.0
     if targets is None or gpus is None:
         try:
-            from flows.stages import server_gpus
-            from tasks.config import load_partition
-
             cfg = load_partition(params.get("partition", "all"))
             targets = list(cfg.targets) if targets is None else targets
-            gpus = server_gpus(cfg) if gpus is None else gpus
+            gpus = cfg.server_gpus() if gpus is None else gpus
             grace = cfg.hygiene_grace_s
         except Exception as exc:
             logger.error("cleanup hook: cannot load the partition config (%s); nothing cleaned", exc)
@@ -55,8 +56,6 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     if sim and not os.environ.get("DATAGEN_SIM_GPUS"):
         # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.
         os.environ["DATAGEN_SIM_GPUS"] = sim
-    from tasks.hygiene import clean_gpus
-
     lines = [f"# Cleanup after {state.name}", ""]
     # This run's local servers, recorded as soon as each process existed (a server still loading
     # included): ended by process group once their pid and start time are checked, never by a
@@ -85,8 +84,6 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     lease = None if record.get("lease_released") else record.get("lease")  # gpu_slots let it go on the way out
     released = False
     if lease:
-        from flows.gpulimit import release_lease
-
         released = release_lease(lease)
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
@@ -97,9 +94,6 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
 
 def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:
     try:
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.actions import ArtifactCreate
-
         with get_client(sync_client=True) as client:
             client.create_artifact(
                 ArtifactCreate(key="hygiene-cleanup-hook", type="markdown", data=markdown,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
 __all__ = ["Progress", "artifact_key"]
 
 
@@ -52,8 +54,6 @@ class Progress:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, already_committed: int, already_rows: int) -> None:
-        from prefect.artifacts import create_progress_artifact
-
         self.done_shards = self.skipped_shards = already_committed
         self.rows = already_rows
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-progress")
@@ -90,7 +90,6 @@ class Progress:
         self.logger.info("progress %s", text)
         if self._artifact is None or self._pool is None:
             return
-        from prefect.artifacts import update_progress_artifact
 
         ctx = contextvars.copy_context()
         self._pool.submit(ctx.run, _safe_update, update_progress_artifact, self._artifact, pct, text)

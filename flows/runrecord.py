@@ -1,47 +1,27 @@
-"""What a flow run started, on disk, for its state hooks and for the next run on this host.
+"""What a flow run started, on disk, so its state hooks and the next run on this host can clean it.
 
-A hook may run in another process (the process worker runs ``on_crashed`` after the flow process
-was SIGKILLed), so the flow writes ``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` with its targets,
-the simulated-GPU file it used, the pid/process group of every server it launched, its
-``gpu:<host>`` slot lease and its own process (``owner``: host, pid, start time); the hook reads it
-to clean exactly those.
-
-A plain `datagen run` that is SIGKILLed gets no hook, and its lease would block the host until it
-expires (``flows.gpulimit.LEASE_S`` plus the API's repossession loop: 60-75 s). So a new run on the
-same machine first releases the leases of recorded runs whose flow process is dead
-(:func:`release_dead_leases`): same host name, and the pid is gone, a zombie, or now another process
-(its start time differs). Limits: only runs that share ``$DATAGEN_STATE_DIR`` are seen, and a run
-killed between acquiring the lease and recording it still waits for the expiry.
-
-Servers: each launch attempt's server is recorded (``servers``: target, pid, pgid, start time) the
-moment its process exists (``tasks.server.launch``'s ``on_started``), not once it is ready, so a
-flow SIGKILLed while its server loads still leaves a record. The next run on this machine ends
-those of dead runs (:func:`end_dead_servers`) by process group, after checking that the pid is
-still the recorded process (same start time); never by pattern. Only local servers: a remote
-one's start time cannot be checked from here, so its GPUs are left to the before-launch hygiene.
-A server whose leader is gone while members of its group live is also left to hygiene (the group
-id alone could name another session by now).
+``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` holds the run's targets, simulated-GPU file, slot
+lease, its own process (``owner``: host, pid, start time) and every server it launched (target,
+pid, process group, start time), recorded the moment each process exists. A hook reads it to clean
+exactly those; a new run on the same host releases the leases (:func:`release_dead_leases`) and ends
+the local servers (:func:`end_dead_servers`) of recorded runs whose flow process is dead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from tasks.config import state_dir
+from tasks.files import atomic_write_json
+from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
 
 __all__ = [
     "add_server",
-    "clear",
     "dead_runs",
     "end_dead_servers",
     "end_server",
@@ -60,6 +40,7 @@ def _path(flow_run_id: str) -> Path:
 
 
 def read(flow_run_id: str) -> dict[str, Any]:
+    """The record of ``flow_run_id`` ({} when missing or unreadable)."""
     try:
         data = json.loads(_path(flow_run_id).read_text())
         return data if isinstance(data, dict) else {}
@@ -68,7 +49,15 @@ def read(flow_run_id: str) -> dict[str, Any]:
 
 
 def update(flow_run_id: str | None, **fields: Any) -> None:
-    """Merge ``fields`` into the record (atomic rename). ``servers`` entries are appended."""
+    """Merge ``fields`` into the record and write it durably. ``servers`` entries are appended.
+
+    Args:
+        flow_run_id: the run (None or "": nothing is recorded).
+        fields: top-level keys to set.
+
+    Raises:
+        OSError: the record cannot be written.
+    """
     if not flow_run_id:
         return
     data = read(flow_run_id)
@@ -83,9 +72,7 @@ def update(flow_run_id: str | None, **fields: Any) -> None:
 def _write(flow_run_id: str, data: dict[str, Any]) -> None:
     path = _path(flow_run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, indent=1)
 
 
 def add_server(flow_run_id: str | None, target: str, pid: int, pgid: int) -> None:
@@ -112,22 +99,6 @@ def update_server(flow_run_id: str | None, pid: int, **fields: Any) -> None:
     _write(flow_run_id, data)
 
 
-def clear(flow_run_id: str | None) -> None:
-    if flow_run_id:
-        _path(flow_run_id).unlink(missing_ok=True)
-
-
-def process_started(pid: int) -> float | None:
-    """The start time of a live process (psutil's ``create_time``), None when it is gone or a zombie."""
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return float(p.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-
-
 def owner(pid: int | None = None) -> dict[str, Any]:
     """This process (or ``pid``) as recorded: host name, pid and start time."""
     pid = os.getpid() if pid is None else pid
@@ -138,14 +109,10 @@ def process_alive(entry: dict[str, Any]) -> bool:
     """Whether the process an ``owner()`` entry names still runs: same pid and same start time (a
     reused pid is another process). An entry without a start time is judged by its pid alone."""
     try:
-        pid = int(entry["pid"])
+        identity = ProcessIdentity(int(entry["pid"]), entry.get("started"))
     except (KeyError, TypeError, ValueError):
         return False
-    started = process_started(pid)
-    if started is None:
-        return False
-    recorded = entry.get("started")
-    return recorded is None or abs(float(recorded) - started) < 0.05
+    return same_process(identity)
 
 
 def _records() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -195,23 +162,18 @@ def release_dead_leases(release: Callable[[str], bool], exclude: str | None = No
     return released
 
 
-def _group(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) members of process group ``pgid`` on this machine."""
-    members = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                members.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return members
-
-
 def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
-    """End a recorded local server by process group: only when its pid is still the recorded
-    process (same start time, checked just before each signal), SIGTERM the group, wait up to
-    ``grace_s``, then SIGKILL it. Returns whether it was ended (False: not the recorded process
-    any more, nothing to do). Raises nothing; a group it cannot signal is left to hygiene."""
+    """End a recorded local server by process group (``tasks.procs.terminate_group``).
+
+    Only when its pid is still the recorded process (same start time) and still leads the recorded
+    group, both checked once before the first signal. Returns whether it was ended (False: not the
+    recorded process any more, nothing to do). Raises nothing; a group it cannot signal is left to
+    hygiene.
+
+    Args:
+        entry: a ``servers`` entry of a record (target, pid, pgid, started).
+        grace_s: seconds between SIGTERM and SIGKILL.
+    """
     if entry.get("target", "local") != "local" or entry.get("started") is None:
         return False  # no start time: a reused pid cannot be told apart, so never signal it
     pid = int(entry["pid"])
@@ -225,16 +187,7 @@ def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
         return False
     # Verified once: from here the group id names the same group for as long as it has members
     # (a process group id is not reused while the group exists), even after its leader exited.
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        if sig == signal.SIGKILL and not _group(pgid):
-            break
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait_s
-        delay = 0.02
-        while _group(pgid) and time.monotonic() < deadline:
-            time.sleep(delay)  # polling a group we do not parent: nothing to wait on
-            delay = min(delay * 2, 0.25)
+    terminate_group(pgid, grace_s)
     return True
 
 

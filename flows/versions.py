@@ -2,13 +2,11 @@
 
 Layout under a partition's output root when ``output.versioned = true``::
 
-    ROOT/versions/20260105T020000Z/     one run's OUT (see tasks.shards)
-    ROOT/versions/20260104T020000Z.failed   marker: that version failed validation, never resumed
-    ROOT/latest -> versions/20260104T020000Z    the last version that validated
+    ROOT/versions/20260105T020000Z/          one run's OUT (see tasks.shards)
+    ROOT/versions/20260104T020000Z.failed    marker: that version failed validation, never resumed
+    ROOT/latest -> versions/20260104T020000Z  the last version that validated
 
-A run resumes the newest version that is neither ``latest`` nor marked failed (a crashed or killed
-run's partial output), else starts a new one. ``latest`` is replaced with ``rename(2)`` over a
-temporary symlink, so readers always see the old or the new target, never a missing one.
+A run resumes the newest version that is neither ``latest`` nor marked failed, else starts a new one.
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ from __future__ import annotations
 import datetime as dt
 import os
 from pathlib import Path
+
+from tasks.files import fsync_dir
 
 __all__ = ["choose_version", "mark_failed", "promote_latest"]
 
@@ -25,7 +25,15 @@ def _versions(root: Path) -> Path:
 
 
 def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
-    """The output directory for this run: an unfinished version to resume, else a new one."""
+    """The output directory for this run: an unfinished version to resume, else a new one.
+
+    Args:
+        root: the partition's output root.
+        now: the time that names a new version (default: now, UTC).
+
+    Raises:
+        OSError: the directories cannot be created.
+    """
     versions = _versions(root)
     versions.mkdir(parents=True, exist_ok=True)
     latest = root / "latest"
@@ -51,15 +59,18 @@ def mark_failed(version_dir: Path, reason: str) -> None:
 
 
 def promote_latest(root: Path, version_dir: Path) -> Path:
-    """Point ``ROOT/latest`` at ``version_dir`` atomically; returns the link path."""
+    """Point ``ROOT/latest`` at ``version_dir`` atomically; returns the link path.
+
+    ``latest`` is replaced with ``rename(2)`` over a temporary symlink, so readers see the old or the
+    new target, never a missing one.
+
+    Raises:
+        OSError: the link cannot be created or renamed.
+    """
     link = root / "latest"
     tmp = root / f".latest.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(version_dir, root), tmp)
     os.replace(tmp, link)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
     return link

@@ -1,34 +1,12 @@
-"""On-target GPU probe: which GPUs exist, who holds them, ending process trees, waiting for memory.
+"""On-target GPU probe: which GPUs exist, who holds them, ending processes, waiting for memory.
 
-This module runs *on the GPU host*. For the local target `tasks.hygiene` imports it; for `ssh://` and
-`pct://` targets it ships this very source (zlib + base64, one ``python3 -c`` argument) and calls
-:func:`main` there, so local and remote hygiene run the same code. Hence the rules for this file:
-standard library only at import time (``pynvml`` and ``emulator.simgpu`` are imported lazily and are
-optional), no imports from the rest of datagen, and every request/answer is plain JSON.
-
-GPU discovery:
-  - when ``DATAGEN_SIM_GPUS`` is set, simulated GPUs only (`emulator.simgpu`): simulation is an
-    explicit opt-in, and a demo or test run on a real GPU host must never see, let alone kill, the
-    processes that hold the host's real GPUs;
-  - otherwise the first that works of NVML (``pynvml`` from nvidia-ml-py) and ``nvidia-smi`` CSV
-    (the usual path on remote targets), else an ``error`` saying "no NVIDIA driver and no simulated
-    GPUs" (the verdict is then unknown, never clean).
-Independently, every process's ``/proc/<pid>/fd`` is scanned for ``/dev/nvidia*`` links: that finds
-holders NVML hides (other PID namespaces, orphans reparented to PID 1). psutil's ``open_files()``
-does not list device files, and psutil is not stdlib, so /proc is read directly. With simulated GPUs
-the scan looks for ``nvidia*`` files under ``DATAGEN_SIM_DEV_DIR`` instead (tests), and not at all
-when that is unset.
-
-Termination (:func:`terminate`) follows the psutil recipe without psutil: a process is identified by
-pid *and* start time (a recycled pid is never signalled), SIGTERM all, wait up to the grace period,
-SIGKILL the survivors (plus children forked meanwhile), wait again; a zombie counts as dead; a
-process still alive in D state is reported, not retried.
-
-Protocol (:func:`handle`): ``{"op": "discover", "gpus": [..]|null}`` ->
-``{"backend", "notes", "error", "gpus": [GpuReading], "gpu_users": [GpuUser], "procs": {pid:
-ProcInfo}, "self": {"pid", "euid", "protected"}}``; ``{"op": "clean", "targets": [{"pid",
-"start"}], "grace_s", "kill_wait_s", "gpus", "threshold_mib", "deadline_s"}`` -> ``{"terminated":
-[..], "wait": {..}}``. Errors inside an op come back as ``{"error": "..."}``.
+It runs on the GPU host: ``tasks.hygiene`` imports it for the local target and ships this source
+whole (one ``python3 -c`` argument) to remote ones, calling :func:`main` there. So it stays one file,
+standard library only at import time (``pynvml`` and ``emulator.simgpu`` are optional, lazy), with
+no imports from the rest of datagen, and speaks plain JSON (:func:`handle`):
+``{"op": "discover", "gpus"}`` -> GPUs, their users, the /proc table and the probe's own pids;
+``{"op": "clean", "targets": [{"pid", "start"}], ...}`` -> ``{"terminated", "wait"}``; errors come
+back as ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -501,6 +479,15 @@ def _wait_dead(procs: dict[int, int], timeout_s: float) -> set[int]:
 def terminate(targets: list[dict[str, int]], grace_s: float, kill_wait_s: float = 5.0) -> list[dict[str, Any]]:
     """End every ``{"pid", "start"}`` target: SIGTERM, wait ``grace_s``, SIGKILL survivors.
 
+    A process is identified by pid and start time (clock ticks, ``/proc/<pid>/stat``), so a recycled
+    pid is never signalled; a zombie counts as dead. This is the stdlib twin of ``tasks.procs``: the
+    probe runs on hosts where psutil and the rest of datagen may be missing.
+
+    Args:
+        targets: the processes, as ``{"pid", "start"}``.
+        grace_s: seconds between SIGTERM and SIGKILL.
+        kill_wait_s: seconds to wait after SIGKILL.
+
     Returns one ``{"pid", "ended_by", "state", "alive"}`` per process (targets plus descendants
     forked meanwhile): ended_by is "SIGTERM", "SIGKILL", "gone before signal" or None when it
     survived; state is the final /proc state letter (e.g. "D" for uninterruptible) or None if gone.
@@ -542,6 +529,12 @@ def wait_clean(gpus: list[int] | None, threshold_mib: int, deadline_s: float,
 
     Returns ``{"reached", "waited_s", "backend", "gpus": [GpuReading], "error"}``. A GPU whose memory
     cannot be read never counts as under the threshold.
+
+    Args:
+        gpus: the GPU indices to watch (None: all).
+        threshold_mib: the most memory a clean GPU may use.
+        deadline_s: seconds to keep polling.
+        interval_s: seconds between readings.
     """
     t0 = time.monotonic()
     while True:

@@ -1,23 +1,9 @@
 """GPU hygiene: find every process holding the selected GPUs, end it safely, prove the GPUs are clean.
 
-Phases (one probe round trip each on remote targets, see `tasks.gpus`):
-  1. discover: GPU memory and listed processes (NVML -> nvidia-smi -> simulated GPUs), the /proc
-     table with /dev/nvidia* holders, and the probe's own pid and ancestors;
-  2. plan (here, not on the target): select holders of the selected GPUs, their descendants, and
-     every member of the server process groups named in ``extra_pids``; spare the hygiene process
-     and its ancestors, PID 1, kernel threads, GPU daemons (nvidia-persistenced, nv-hostengine,
-     dcgm, Xorg), processes that hold only unselected GPUs, and other users' processes unless
-     ``include_other_users``;
-  3. clean: SIGTERM, wait up to ``grace_s``, SIGKILL survivors; then poll memory until every selected
-     GPU uses at most ``threshold_mib`` or ``deadline_s`` passes (covers the driver's release lag).
-
-The verdict is "clean" only when every selected GPU was read under the threshold and no selected
-process survived; "unknown" when the GPUs could not be read at all (no driver, no simulated GPUs);
-"not_clean" otherwise. Unknown is not clean.
-
-Errors raised by `clean_gpus`: TargetError (bad target string or setting), TargetUnreachable (cannot
-connect), ValueError (bad GPU list or a GPU index the target does not have), ProbeFailed (the probe
-could not run on the target, e.g. no python3 there).
+``clean_gpus`` discovers GPU memory and holders through the probe (``tasks.gpus``, one round trip
+per phase on a remote target), plans here which processes to end and which to spare, then has the
+probe end them (SIGTERM, grace, SIGKILL) and poll memory until every selected GPU is under the
+threshold. The verdict is "clean", "not_clean" or "unknown" (GPUs unreadable; never clean).
 """
 
 from __future__ import annotations
@@ -342,7 +328,15 @@ def _plan(found: dict[str, Any], selected: list[int], include_other_users: bool,
 def gpu_names(target: str | Target = "local", timeout_s: float = 60.0) -> dict[int, str]:
     """GPU index -> model name on ``target`` (empty when no GPU can be read there).
 
-    Raises TargetError, TargetUnreachable, ProbeFailed."""
+    Args:
+        target: where the GPUs are.
+        timeout_s: seconds the probe may take.
+
+    Raises:
+        TargetError: the target string or a target setting is bad.
+        TargetUnreachable: the target cannot be connected to.
+        ProbeFailed: the probe could not run on the target.
+    """
     found = _call(parse_target(target), {"op": "discover"}, timeout_s=timeout_s)
     return {int(g["index"]): str(g["name"]) for g in found.get("gpus", [])}
 
@@ -357,11 +351,24 @@ def clean_gpus(
     include_other_users: bool = False,
     extra_pids: tuple[int, ...] | list[int] = (),
 ) -> HygieneReport:
-    """Find, end and verify every holder of the selected GPUs on ``target`` (None/"" = all GPUs).
+    """Find, end and verify every holder of the selected GPUs on ``target``.
 
-    ``extra_pids``: pids / process-group ids of servers datagen started; their groups are ended even
-    when not seen on a GPU. ``dry_run`` plans and reports without signalling anything.
-    Raises TargetError, TargetUnreachable, ValueError, ProbeFailed (see the module docstring).
+    Args:
+        target: where the GPUs are (a target string or ``Target``).
+        gpus: GPU indices (``"0,1"`` or a list); None or "" selects all GPUs.
+        grace_s: seconds between SIGTERM and SIGKILL.
+        threshold_mib: the most memory a GPU may use and still count as clean.
+        deadline_s: seconds to wait, after the kills, for memory to drop under the threshold.
+        dry_run: plan and report without signalling anything.
+        include_other_users: also end other users' processes.
+        extra_pids: pids / process-group ids of servers datagen started; their groups are ended even
+            when not seen on a GPU.
+
+    Raises:
+        TargetError: the target string or a target setting is bad.
+        TargetUnreachable: the target cannot be connected to.
+        ValueError: a bad GPU list, or a GPU index the target does not have.
+        ProbeFailed: the probe could not run on the target (e.g. no python3 there).
     """
     t0 = time.monotonic()
     tgt = parse_target(target)

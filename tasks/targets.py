@@ -1,42 +1,12 @@
-"""Where commands run: the local host, an SSH host, or an LXC container behind a Proxmox host.
+"""Where commands run: ``local``, ``ssh://[user@]host[:port]`` or ``pct://[user@]host[:port]/CTID``.
 
-Target strings (DESIGN.md "Targets")::
-
-    local
-    ssh://[user@]host[:port]
-    pct://[user@]proxmox-host[:port]/CTID      (commands run via `pct exec CTID` on the host)
-
-Commands are argv lists, never shell lines. For remote targets the target layer builds the one shell
-line sshd needs, quoting every word with `shlex.quote`, wrapping it in a remote ``timeout`` (a
-client-side timeout alone does not stop a remote command without a pty) and closing stdin
-(``</dev/null``; fabric's ``in_stream=False`` sends no EOF). For ``pct://`` the inner command is
-quoted once more for ``pct exec CTID -- bash -lc``, and gets its own ``timeout`` inside the container.
-
-Environment values passed as ``env=`` never appear on a command line (``ps`` on the target shows
-every argv to every user, and sshd's ``AcceptEnv`` usually refuses client variables): the line runs
-``sh -c 'eval "$(cat)"; exec "$@" </dev/null' sh ARGV...`` and the SSH channel's stdin carries
-``export NAME='value'`` lines (quoted with `shlex.quote`, names checked), then EOF. The command
-itself still gets a closed stdin. ``start_detached`` uses the same path, so a server's secrets (API
-key) reach it only through its environment.
-
-Environment (read when a remote command runs):
-  DATAGEN_SSH_KEY              private key file; when set, no agent and no ~/.ssh key search
-  DATAGEN_SSH_KNOWN_HOSTS      known_hosts file; when set, unknown or changed host keys are refused.
-                               Unset: fabric's default (system known_hosts, unknown hosts accepted)
-  DATAGEN_SSH_CONNECT_TIMEOUT  seconds to wait for the TCP/SSH handshake (default 10)
-  DATAGEN_REMOTE_ENV           ``NAME=VALUE ...`` (shell-word syntax) set for every remote command
-                               through an ``env`` prefix on the target (inside the container for
-                               pct). sshd does not accept arbitrary client environment, and
-                               ``bash -lc`` resets PATH, so this is the one place that reliably sets
-                               e.g. PATH, DATAGEN_SIM_GPUS or DATAGEN_PYTHON remotely. It is on
-                               the remote command line: settings, never secrets (use ``env=``).
-                               ``DATAGEN_PYTHON`` in it also names the remote Python (default python3).
-
-Errors:
-  TargetError        a target string that does not parse (names the input)
-  TargetUnreachable  connecting or authenticating failed (names the target)
-A command that runs and fails is not an error: `CommandResult.exited` says how it ended (124 when the
-timeout ended it, as coreutils' timeout reports).
+Commands are argv lists, never shell lines; for remote targets this module builds the one quoted
+line sshd needs, with a remote ``timeout`` and a closed stdin. Values passed as ``env=`` travel over
+the SSH channel's stdin, never on a command line. Settings: ``DATAGEN_SSH_KEY``,
+``DATAGEN_SSH_KNOWN_HOSTS`` (when set, unknown or changed host keys are refused),
+``DATAGEN_SSH_CONNECT_TIMEOUT`` (seconds, default 10) and ``DATAGEN_REMOTE_ENV`` (see
+``remote_env``). A command that runs and fails is not an error: ``CommandResult.exited`` says how it
+ended (124 for the timeout).
 """
 
 from __future__ import annotations
@@ -49,6 +19,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -133,8 +104,14 @@ class CommandResult:
 def parse_target(text: str | Target) -> Target:
     """Parse ``local``, ``ssh://[user@]host[:port]`` or ``pct://[user@]host[:port]/CTID``.
 
-    Raises TargetError naming the input when it does not parse. Users, hosts and CTIDs are checked
-    against strict patterns, so no shell metacharacter can hide in them.
+    Users, hosts and CTIDs are checked against strict patterns, so no shell metacharacter can hide
+    in them.
+
+    Args:
+        text: the target string (a ``Target`` is returned as it is).
+
+    Raises:
+        TargetError: the text does not parse (the message names it).
     """
     if isinstance(text, Target):
         return text
@@ -175,7 +152,16 @@ def parse_target(text: str | Target) -> Target:
 
 
 def remote_env() -> dict[str, str]:
-    """The ``DATAGEN_REMOTE_ENV`` settings as a dict. Raises TargetError when malformed."""
+    """The ``DATAGEN_REMOTE_ENV`` settings (``NAME=VALUE ...``, shell words) as a dict.
+
+    They are set for every remote command through an ``env`` prefix on the target (inside the
+    container for pct), the one place that reliably sets e.g. PATH or DATAGEN_PYTHON remotely
+    (sshd refuses most client variables and ``bash -lc`` resets PATH). They are visible on the
+    remote command line: settings, never secrets.
+
+    Raises:
+        TargetError: the variable does not parse or an entry is not ``NAME=VALUE``.
+    """
     raw = os.environ.get("DATAGEN_REMOTE_ENV", "")
     out: dict[str, str] = {}
     try:
@@ -192,8 +178,6 @@ def remote_env() -> dict[str, str]:
 
 def remote_python(target: Target) -> str:
     """The Python interpreter to use on ``target`` (local: this one)."""
-    import sys
-
     if target.is_local:
         return sys.executable
     return remote_env().get("DATAGEN_PYTHON") or "python3"
@@ -220,7 +204,8 @@ def _env_words() -> list[str]:
 def env_script(env: dict[str, str] | None) -> str:
     """The stdin payload that sets ``env`` on the remote side: one ``export NAME='value'`` line each.
 
-    Raises TargetError for a name that is not a shell variable name.
+    Raises:
+        TargetError: a name is not a shell variable name.
     """
     lines = []
     for name, value in (env or {}).items():
@@ -262,7 +247,12 @@ def ssh_command(target: Target, *options: str) -> list[str]:
     authenticates as ``run_command`` does: DATAGEN_SSH_KEY, DATAGEN_SSH_KNOWN_HOSTS,
     DATAGEN_SSH_CONNECT_TIMEOUT. Used for what paramiko does not do for us (port forwards).
 
-    Raises TargetError for a local target or a bad setting.
+    Args:
+        target: an ``ssh://`` or ``pct://`` target.
+        options: further ``ssh`` options, placed before the host.
+
+    Raises:
+        TargetError: a local target, or a bad setting.
     """
     if target.is_local:
         raise TargetError("ssh_command needs an ssh:// or pct:// target, not local")
@@ -278,8 +268,9 @@ def ssh_command(target: Target, *options: str) -> list[str]:
 
 
 def _connection(target: Target) -> Any:
-    from fabric import Connection  # heavy import: only when a remote target is used
-    from paramiko import RejectPolicy
+    # fabric, paramiko and invoke are slow to import: only when a remote target is used
+    from fabric import Connection  # noqa: PLC0415
+    from paramiko import RejectPolicy  # noqa: PLC0415
 
     kwargs: dict[str, Any] = {}
     key = os.environ.get("DATAGEN_SSH_KEY")
@@ -295,7 +286,7 @@ def _connection(target: Target) -> Any:
 
 
 def _open(conn: Any, target: Target) -> None:
-    import paramiko
+    import paramiko  # noqa: PLC0415 (only for remote targets, see _connection)
 
     try:
         conn.open()
@@ -318,11 +309,20 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
                 stdin_closed: bool = True) -> CommandResult:
     """Run ``argv`` on ``target`` and wait at most ``timeout_s`` for it.
 
-    ``env`` adds environment variables (locally: over ours; remotely: over DATAGEN_REMOTE_ENV, sent
-    over the channel's stdin, never on a command line). The command's stdin is always closed:
-    commands here never read input (``stdin_closed`` exists for the contract and must stay True).
     A command stopped by the timeout returns exited=124.
-    Raises TargetError (bad target or settings), TargetUnreachable (cannot connect).
+
+    Args:
+        target: where to run.
+        argv: the command, one word per item (never a shell line).
+        timeout_s: seconds the command may run.
+        env: environment variables to add (locally over ours; remotely over DATAGEN_REMOTE_ENV, sent
+            over the channel's stdin, never on a command line).
+        stdin_closed: must stay True: commands here never read input.
+
+    Raises:
+        TargetError: a bad target or setting.
+        TargetUnreachable: the target cannot be connected to.
+        ValueError: ``stdin_closed`` is False.
     """
     target = parse_target(target)
     if not stdin_closed:
@@ -339,7 +339,7 @@ def run_command(target: Target | str, argv: list[str], timeout_s: float, env: di
             return CommandResult(127, "", f"{argv[0]}: {exc}")
         return CommandResult(proc.returncode, proc.stdout, proc.stderr)
     line = remote_command_line(target, argv, timeout_s, env)
-    from invoke.exceptions import CommandTimedOut
+    from invoke.exceptions import CommandTimedOut  # noqa: PLC0415 (only for remote targets)
 
     conn = _connection(target)
     try:
@@ -380,11 +380,19 @@ def start_detached(target: Target | str, argv: list[str], log_path: str,
                    env: dict[str, str] | None = None) -> int:
     """Start ``argv`` on ``target`` as a new session leader (its pid is its process group id),
     stdout+stderr appended to ``log_path`` on the target, stdin closed. Returns its pid.
-    ``env`` is added to its environment; remotely it travels over stdin, so secrets may go there
-    (``argv`` and ``log_path`` are visible in the target's ``ps`` while the spawner runs).
 
-    Raises TargetError, TargetUnreachable, OSError (local: cannot execute), RuntimeError (remote:
-    the spawner failed; the message has its output).
+    Args:
+        target: where to run.
+        argv: the command (visible in the target's ``ps`` while the spawner runs).
+        log_path: the log file on the target (appended to).
+        env: added to its environment; remotely it travels over stdin, so secrets may go there.
+
+    Raises:
+        TargetError: a bad target or setting.
+        TargetUnreachable: the target cannot be connected to.
+        ValueError: ``argv`` is empty.
+        OSError: locally, the command cannot be executed.
+        RuntimeError: remotely, the spawner failed (the message has its output).
     """
     target = parse_target(target)
     if not argv:

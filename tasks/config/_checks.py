@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import DatagenError
+from tasks.reasoning import PARSERS
+from tasks.targets import TargetError, parse_target
 
 __all__ = [
     "ConfigError",
@@ -37,12 +39,6 @@ class ConfigError(DatagenError, ValueError):
 def check_target(raw: str, f: str) -> None:
     """A target string tasks.targets accepts (local, ssh://…, pct://…)."""
     try:
-        from tasks.targets import TargetError, parse_target
-    except ImportError:  # hygiene module not installed yet: accept the documented shapes
-        if raw != "local" and not raw.startswith(("ssh://", "pct://")):
-            raise ConfigError(f"{f}: server.targets: {raw!r} is not local, ssh://… or pct://…") from None
-        return
-    try:
         parse_target(raw)
     except TargetError as exc:
         raise ConfigError(f"{f}: server.targets: {exc}") from exc
@@ -52,10 +48,6 @@ def parser_name(value: Any, f: str, key: str) -> str:
     """A reasoning parser name SGLang knows (tasks.reasoning.PARSERS)."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{f}: {key}: must be a parser name")
-    try:
-        from tasks.reasoning import PARSERS
-    except ImportError:
-        return value
     if value not in PARSERS:
         known = ", ".join(sorted(PARSERS))
         raise ConfigError(f"{f}: {key}: unknown reasoning parser {value!r} (known: {known})")

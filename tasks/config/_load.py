@@ -26,7 +26,15 @@ from tasks.config._checks import (
     resolve_path,
     table,
 )
-from tasks.config._model import BACKENDS, PartitionConfig, ServerSettings, SimGpuSettings, check_model
+from tasks.config._model import (
+    BACKENDS,
+    SERVER_KEYS,
+    PartitionConfig,
+    ServerSettings,
+    SimGpuSettings,
+    check_model,
+)
+from tasks.server import ServerConfig, ServerConfigError
 
 __all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
 
@@ -59,7 +67,7 @@ _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
-_SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSettings)}
+_LAUNCH_KEYS = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
 
 
 def load_partition(name_or_path: str | os.PathLike[str]) -> PartitionConfig:
@@ -115,7 +123,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     if parser is not None:
         parser = parser_name(parser, f, "model.reasoning_parser")
 
-    server = _parse_server(table(data, "server", f), f)
+    server = _parse_server(table(data, "server", f), f, model_path)
 
     sim = None
     if "sim_gpus" in data:
@@ -127,7 +135,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
             name=opt_str(s.get("name"), f, "sim_gpus.name"),
             release_delay_s=nonneg_float(s.get("release_delay_s", 0.0), f, "sim_gpus.release_delay_s"),
         )
-        if server.backend != "emulator":
+        if server.launch.backend != "emulator":
             raise ConfigError(f"{f}: sim_gpus: simulated GPUs need server.backend = \"emulator\"")
 
     run = table(data, "run", f)
@@ -177,8 +185,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     return cfg
 
 
-def _parse_server(s: dict[str, Any], f: str) -> ServerSettings:
-    no_unknown(s, _SERVER_KEYS, f, "server.")
+def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
+    no_unknown(s, set(SERVER_KEYS), f, "server.")
     backend = s.get("backend", "sglang")
     if backend not in BACKENDS:
         raise ConfigError(f"{f}: server.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -214,26 +222,25 @@ def _parse_server(s: dict[str, Any], f: str) -> ServerSettings:
     if gpus is not None and len(gpus) < tp:
         raise ConfigError(f"{f}: server.gpus: {len(gpus)} GPUs listed for tp_size {tp}")
     frac = s.get("mem_fraction_static")
+    for key in ("context_length", "max_running_requests", "chunked_prefill_size"):
+        opt_pos_int(s.get(key), f, f"server.{key}")
+    for key in ("served_model_name", "python"):
+        opt_str(s.get(key), f, f"server.{key}")
+    # Every other launch setting goes to ServerConfig as it is, under its own name; ServerConfig
+    # checks it. TOML arrays become tuples (ServerConfig's sequences are).
+    launch: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in s.items() if k in _LAUNCH_KEYS}
+    launch.update(backend=backend, tp_size=tp, host=host, gpus=gpus, extra_args=tuple(extra), env=dict(env),
+                  mem_fraction_static=None if frac is None else fraction(frac, f, "server.mem_fraction_static"),
+                  enable_hierarchical_cache=bool(s.get("enable_hierarchical_cache", False)))
+    try:
+        launch_cfg = ServerConfig(model_path=model_path, **launch)
+    except (ServerConfigError, TypeError) as exc:  # TypeError: a value of the wrong type compared
+        raise ConfigError(f"{f}: [server]: {exc}") from exc
     return ServerSettings(
-        backend=backend,
+        launch=launch_cfg,
         targets=tuple(targets),
-        tp_size=tp,
-        host=host,
         port=port,
-        mem_fraction_static=None if frac is None else fraction(frac, f, "server.mem_fraction_static"),
-        served_model_name=opt_str(s.get("served_model_name"), f, "server.served_model_name"),
-        context_length=opt_pos_int(s.get("context_length"), f, "server.context_length"),
-        max_running_requests=opt_pos_int(s.get("max_running_requests"), f, "server.max_running_requests"),
-        chunked_prefill_size=opt_pos_int(s.get("chunked_prefill_size"), f, "server.chunked_prefill_size"),
-        enable_hierarchical_cache=bool(s.get("enable_hierarchical_cache", False)),
-        hicache_size=s.get("hicache_size"),
-        hicache_ratio=s.get("hicache_ratio"),
-        gpus=gpus,
-        extra_args=tuple(extra),
-        env=dict(env),
         api_key_secret=opt_str(s.get("api_key_secret"), f, "server.api_key_secret"),
         hub_token_secret=opt_str(s.get("hub_token_secret"), f, "server.hub_token_secret"),
         launch_deadline_s=nonneg_float(s.get("launch_deadline_s", 900.0), f, "server.launch_deadline_s"),
-        python=opt_str(s.get("python"), f, "server.python"),
     )
-

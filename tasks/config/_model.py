@@ -1,12 +1,15 @@
-"""Partition settings as frozen value objects, and command-line overrides of them.
+"""Partition settings as frozen value objects, and the overrides a run may apply to them.
 
 ``PartitionConfig`` is what ``load_partition`` (tasks.config._load) returns; ``with_overrides``
-applies ``datagen run`` options and deployment parameters with the same checks as the file.
+applies ``Overrides`` (``datagen run`` options, the flow's parameters) with the file's checks, and
+``server_config`` turns ``[server]`` into the ``ServerConfig`` that launches the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,8 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config._checks import ConfigError, fraction, parser_name, positive_int
+from tasks.server import ServerConfig
 
-__all__ = ["BACKENDS", "PartitionConfig", "ServerSettings", "SimGpuSettings", "check_model"]
+__all__ = [
+    "BACKENDS",
+    "NOT_SERVER_KEYS",
+    "SERVER_KEYS",
+    "Overrides",
+    "PartitionConfig",
+    "ServerSettings",
+    "SimGpuSettings",
+    "check_model",
+]
 
 BACKENDS = ("sglang", "emulator")
 _ENV_API_KEY = "DATAGEN_API_KEY"
@@ -33,28 +46,85 @@ class SimGpuSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """``[server]``: how and where the inference server is launched (see tasks.server.ServerConfig)."""
+    """``[server]``: where the partition's server runs, and how it is launched.
 
-    backend: str = "sglang"
+    Args:
+        launch: every launch setting of ``[server]``, under ServerConfig's own names (``[server]``
+            keys map 1:1 onto its fields); ``PartitionConfig.server_config`` fills in the model
+            path, port, reasoning parser and API key of each launch.
+        targets: where the server may run (one server per GPU host).
+        port: the port to listen on; 0: a free one, picked at launch.
+        api_key_secret: the Prefect Secret block holding the server's API key.
+        hub_token_secret: the Prefect Secret block holding the model hub token.
+        launch_deadline_s: how long a launch may take to become ready.
+    """
+
+    launch: ServerConfig
     targets: tuple[str, ...] = ("local",)
-    tp_size: int = 1
-    host: str = "127.0.0.1"
     port: int = 0
-    mem_fraction_static: float | None = None
-    served_model_name: str | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = None
-    enable_hierarchical_cache: bool = False
-    hicache_size: float | None = None
-    hicache_ratio: float | None = None
-    gpus: tuple[int, ...] | None = None
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
     api_key_secret: str | None = None
     hub_token_secret: str | None = None
     launch_deadline_s: float = 900.0
-    python: str | None = None
+
+
+# ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
+NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port"})
+# Every [server] key: ServerConfig's launch settings and the partition's own.
+SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+                        | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch"})
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Settings a run may override: ``datagen run`` options and the flow's parameters (same names).
+
+    Every field is optional; None keeps the partition's value. The field list is the single list
+    of overrides: the CLI and the flow derive theirs from it (``from_mapping``, ``names``).
+    """
+
+    inputs: tuple[str, ...] | None = None
+    model_path: str | None = None
+    out: str | None = None
+    backend: str | None = None
+    server_url: str | None = None
+    shard_size: int | None = None
+    concurrency: int | None = None
+    mem_fraction_static: float | None = None
+    reasoning_parser: str | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The override names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Overrides:
+        """The overrides among ``values`` (e.g. argparse's namespace or the flow's parameters);
+        other keys are ignored, and so are None values."""
+        picked = {k: values[k] for k in cls.names() if values.get(k) is not None}
+        if "inputs" in picked:
+            picked["inputs"] = tuple(str(p) for p in picked["inputs"])
+        return cls(**picked)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The set overrides as keyword arguments of the flow (lists where the flow takes one)."""
+        out = {k: getattr(self, k) for k in self.names() if getattr(self, k) is not None}
+        if "inputs" in out:
+            out["inputs"] = list(out["inputs"])
+        return out
+
+
+def _input_datasets(inputs: tuple[str, ...], where: str) -> dict[str, Path]:
+    datasets: dict[str, Path] = {}
+    for raw in inputs:
+        p = Path(raw).expanduser().resolve()
+        if not p.is_file():
+            raise ConfigError(f"{where}: --input {raw}: no such file")
+        name = dataset_name_of(p)
+        if name in datasets:
+            raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
+        datasets[name] = p
+    return datasets
 
 
 @dataclass(frozen=True)
@@ -83,64 +153,88 @@ class PartitionConfig:
     def targets(self) -> tuple[str, ...]:
         return self.server.targets
 
-    def with_overrides(
-        self,
-        *,
-        inputs: list[str] | None = None,
-        model_path: str | None = None,
-        out: str | None = None,
-        backend: str | None = None,
-        server_url: str | None = None,
-        shard_size: int | None = None,
-        concurrency: int | None = None,
-        mem_fraction_static: float | None = None,
-        reasoning_parser: str | None = None,
-    ) -> PartitionConfig:
-        """A copy with command-line / deployment-parameter overrides applied and validated.
+    def with_overrides(self, overrides: Overrides) -> PartitionConfig:
+        """A copy with ``overrides`` applied and validated with the file's checks.
 
-        ``inputs`` replaces the datasets (named after each file's stem); ``out`` is used as the
-        output directory itself (no versioning). Raises ``ConfigError``."""
+        Args:
+            overrides: the set fields replace the config's; ``inputs`` replaces the datasets (each
+                named after its file's stem), ``out`` is the output directory itself (no versioning).
+
+        Raises:
+            ConfigError: an override is invalid; the message starts with "override: <key>".
+        """
         where = "override"
-        cfg = self
-        server = cfg.server
+        server = self.server
         changes: dict[str, Any] = {}
-        if inputs:
-            datasets: dict[str, Path] = {}
-            for raw in inputs:
-                p = Path(raw).expanduser().resolve()
-                if not p.is_file():
-                    raise ConfigError(f"{where}: --input {raw}: no such file")
-                name = dataset_name_of(p)
-                if name in datasets:
-                    raise ConfigError(f"{where}: --input {raw}: a second input named {name!r}")
-                datasets[name] = p
-            changes["datasets"] = datasets
-        if model_path is not None:
-            changes["model_path"] = str(Path(model_path).expanduser().resolve())
-        if out is not None:
-            changes["output_root"] = Path(out).expanduser().resolve()
+        if overrides.inputs:
+            changes["datasets"] = _input_datasets(overrides.inputs, where)
+        launch: dict[str, Any] = {}
+        if overrides.model_path is not None:
+            changes["model_path"] = launch["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
+        if overrides.out is not None:
+            changes["output_root"] = Path(overrides.out).expanduser().resolve()
             changes["versioned"] = False
-        if backend is not None:
-            if backend not in BACKENDS:
-                raise ConfigError(f"{where}: backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-            server = dataclasses.replace(server, backend=backend)
-        if server_url is not None:
-            if not server_url.startswith(("http://", "https://")):
-                raise ConfigError(f"{where}: server_url: {server_url!r} is not an http(s) URL")
-            changes["server_url"] = server_url.rstrip("/")
-        if shard_size is not None:
-            changes["shard_size"] = positive_int(shard_size, where, "shard_size")
-        if concurrency is not None:
-            changes["concurrency"] = positive_int(concurrency, where, "concurrency")
-        if mem_fraction_static is not None:
-            server = dataclasses.replace(
-                server, mem_fraction_static=fraction(mem_fraction_static, where, "mem_fraction_static")
-            )
-        if reasoning_parser is not None:
-            changes["reasoning_parser"] = parser_name(reasoning_parser, where, "reasoning_parser")
-        out_cfg = dataclasses.replace(cfg, server=server, **changes)
+        if overrides.backend is not None:
+            if overrides.backend not in BACKENDS:
+                raise ConfigError(f"{where}: backend: {overrides.backend!r} is not one of {', '.join(BACKENDS)}")
+            launch["backend"] = overrides.backend
+        if overrides.server_url is not None:
+            if not overrides.server_url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}: server_url: {overrides.server_url!r} is not an http(s) URL")
+            changes["server_url"] = overrides.server_url.rstrip("/")
+        if overrides.shard_size is not None:
+            changes["shard_size"] = positive_int(overrides.shard_size, where, "shard_size")
+        if overrides.concurrency is not None:
+            changes["concurrency"] = positive_int(overrides.concurrency, where, "concurrency")
+        if overrides.mem_fraction_static is not None:
+            launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
+        if overrides.reasoning_parser is not None:
+            changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
+        server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
+        out_cfg = dataclasses.replace(self, server=server, **changes)
         check_model(out_cfg, where)
         return out_cfg
+
+    def server_config(self, port: int, reasoning_parser: str | None) -> ServerConfig:
+        """The ``ServerConfig`` that launches this partition's server.
+
+        The launch settings of ``[server]`` (``ServerSettings.launch``) with this launch's model
+        path, port and reasoning parser; the API key goes in as ``api_key`` (the launcher keeps it
+        off the command line), the hub token as ``HF_TOKEN`` in the server's environment.
+
+        Args:
+            port: the port the server listens on (on its target).
+            reasoning_parser: SGLang's ``--reasoning-parser`` (None: none).
+
+        Raises:
+            ServerConfigError: a setting ServerConfig rejects.
+        """
+        launch = self.server.launch
+        env = dict(launch.env)
+        token = self.hub_token()
+        if token:
+            env["HF_TOKEN"] = token
+        return dataclasses.replace(launch, model_path=self.model_path, port=port, env=env,
+                                   reasoning_parser=reasoning_parser, api_key=self.api_key())
+
+    def server_fingerprint(self) -> str:
+        """The rows' ``server`` column: what the generated text depends on.
+
+        Model, backend, parallelism and flags; not the port, pid or memory fraction (a relaunch at
+        a lower fraction produces the same rows), nor the reasoning parser (/generate returns the
+        raw text whatever the parser, and the split is recorded per row, so a rerun with a fixed
+        ``--reasoning-parser`` continues the output). A shared server is named by its URL.
+        """
+        if self.server_url is not None:
+            return f"external:{self.server_url}"
+        s = self.server.launch
+        doc = [self.model_path, s.backend, s.tp_size, s.served_model_name, s.context_length, list(s.extra_args)]
+        return f"{s.backend}:{hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:12]}"
+
+    def server_gpus(self) -> list[int]:
+        """The GPUs the partition's server uses (``server.gpus``, else 0..tp_size-1): the only GPUs
+        the run's hygiene touches, so that another job on another GPU of a shared host survives."""
+        return self.server.launch.gpu_indexes()
 
     def api_key(self) -> str | None:
         """The server's ``--api-key``: the Prefect Secret block named in the config (when an API
@@ -157,7 +251,7 @@ class PartitionConfig:
             "partition": self.name,
             "datasets": {k: str(v) for k, v in self.datasets.items()},
             "model_path": self.model_path,
-            "backend": self.server.backend,
+            "backend": self.server.launch.backend,
             "targets": list(self.targets),
             "server_url": self.server_url,
             "shard_size": self.shard_size,
@@ -170,7 +264,8 @@ class PartitionConfig:
 def _secret(block_name: str | None, env_var: str) -> str | None:
     if block_name:
         try:
-            from prefect.blocks.system import Secret
+            # Prefect reads its settings at import (the CLI sets them first): loaded only here.
+            from prefect.blocks.system import Secret  # noqa: PLC0415
 
             value = Secret.load(block_name).get()  # type: ignore[union-attr]
             if value:
@@ -184,7 +279,7 @@ def _secret(block_name: str | None, env_var: str) -> str | None:
 def check_model(cfg: PartitionConfig, where: str) -> None:
     """Raises ``ConfigError`` when a local emulator's model directory has no config.json."""
     # The sglang model dir lives on the target host (maybe remote): only a local emulator's can be checked.
-    if cfg.server_url is None and cfg.server.backend == "emulator" and cfg.targets == ("local",):
+    if cfg.server_url is None and cfg.server.launch.backend == "emulator" and cfg.targets == ("local",):
         if not Path(cfg.model_path, "config.json").is_file():
             raise ConfigError(f"{where}: model.path: {cfg.model_path} has no config.json")
 

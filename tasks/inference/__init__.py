@@ -1,4 +1,8 @@
-"""Sharded inference against SGLang's native ``/generate``: client, worker pool, rows, driver."""
+"""Sharded inference against SGLang's native ``/generate``: client, worker pool, rows, driver.
+
+``run_dataset(spec, out_dir, endpoint, settings)`` generates one dataset into committed Parquet
+shards, resuming what is on disk; ``Endpoint`` is the server, ``InferenceSettings`` the how.
+"""
 
 from __future__ import annotations
 
@@ -16,36 +20,29 @@ from tasks.inference._client import (
     default_concurrency,
     server_error_message,
 )
-from tasks.inference._driver import (
-    run_dataset,
-    run_dataset_async,
-    run_inputs,
-)
-from tasks.inference._records import (
-    DatasetResult,
-    DatasetSpec,
-    ShardProgress,
-    fingerprint_server,
-)
+from tasks.inference._driver import run_dataset, run_dataset_async
+from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
+from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
 
 __all__ = [
+    "AUTO",
     "ClientConfig",
     "ClientError",
     "ClientStats",
     "DEFAULT_CONCURRENCY",
     "DatasetResult",
     "DatasetSpec",
+    "Endpoint",
     "GenerateClient",
     "GenerateResult",
+    "InferenceSettings",
     "PromptTooLong",
     "RequestRejected",
     "ServerGone",
     "ShardProgress",
     "Transport",
     "default_concurrency",
-    "fingerprint_server",
     "run_dataset",
     "run_dataset_async",
-    "run_inputs",
     "server_error_message",
 ]

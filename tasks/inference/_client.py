@@ -1,27 +1,8 @@
-"""Async client for SGLang's native ``POST /generate`` (one per run), with retries that know SGLang.
+"""Async client for SGLang's native ``POST /generate``, with retries that know SGLang.
 
-Transport: raw aiohttp + orjson by default, chosen by measurement (bench/bench_client.py against
-the zero-latency emulator on 2 cores; figures in the README). httpx is the project's client per the
-design card, and both httpx variants stay selectable with ``ClientConfig.transport``:
-
-- ``"aiohttp"`` (default): ~200 us of client CPU per row end to end (render, request, split,
-  journal), which keeps ``run_dataset`` at ~0.6-0.7x a bare aiohttp loop, above the 0.5x target;
-- ``"httpx-aiohttp"``: ``httpx.Request``/``httpx.Response`` sent straight to
-  ``httpx_aiohttp.AiohttpTransport`` (skipping ``AsyncClient.send``'s per-request URL/header/cookie
-  merging): ~285 us per row, ~0.5x the bare loop, so it misses the target on a loaded host;
-- ``"httpx"``: ``httpx.AsyncClient`` with its default transport (httpcore): ~10x slower per request.
-
-Retry policy (per request): transport errors (refused, reset, disconnected), timeouts, any 5xx,
-a 400 "Duplicate request ID" (a retry racing its own timed-out predecessor) and an ``abort`` finish
-are retried with exponential backoff and jitter, up to ``max_attempts``; then the server is
-considered gone. SGLang's 503 "The request queue is full." (alive, overloaded) is retried up to
-``max_overload_retries`` more times before it counts. Other 4xx are never retried.
-
-Liveness: a client given ``server_alive`` (a callable, e.g. the launcher's ``ServerHandle.is_alive``)
-consults it when a request fails at the transport level (refused, reset, timeout). When the server
-process is known dead, retrying is pointless: ``ServerGone`` is raised at once (one check is shared by
-every request failing at the same moment) instead of after ``max_attempts`` backoffs (~9.5 s with
-the defaults). A live server, or a check that raises, keeps the retry path.
+Transport: aiohttp + orjson by default; ``ClientConfig.transport`` selects the httpx variants. The
+retry policy (transport errors, timeouts, 5xx, ``abort`` finishes; 503 "queue full" on its own
+budget; never other 4xx) and the liveness short-cut are in the README's Decisions (Retries).
 
 Errors::
 
@@ -237,7 +218,8 @@ class GenerateClient:
                 headers=self._headers,
             )
         elif cfg.transport == "httpx-aiohttp":
-            from httpx_aiohttp import AiohttpTransport
+            # Optional transport (benchmarked against the default): loaded only when chosen.
+            from httpx_aiohttp import AiohttpTransport  # noqa: PLC0415
 
             limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
             self._transport = AiohttpTransport(limits=limits)

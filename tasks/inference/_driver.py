@@ -1,77 +1,32 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
-``run_dataset`` holds the output's lock (or reuses the caller's), binds the dataset to its input
-fingerprint and the shard size (``InputChanged`` otherwise), undoes half-finished commits, then
-streams the input once:
-
-- records of committed shards are skipped; in an open shard, ids already in the journal are skipped
-  (they are not regenerated; rows journaled under another reasoning parser are split again from their
-  raw text when the shard commits);
-- input rejects, over-long prompts (HTTP 400 from the server) and template failures are journaled
-  as rejects; every finished generation is journaled as a row the moment it arrives;
-- when every record of a shard's slice is accounted for, the shard is committed (tasks.shards) in a
-  worker thread, ``on_shard_committed(ShardRecord)`` runs, then ``progress(ShardProgress)``.
-
-Requests are issued by ``concurrency`` worker tasks fed through a bounded queue, so memory is flat in
-the dataset size: the input is streamed, and only in-flight items and per-open-shard counters live
-in memory. Shards commit out of order when a straggler holds one back; the workers never wait for
-a commit, which keeps the server's batch full.
-
-This module is the public surface and the entry points; the parts live next to it:
-``inference_records`` (DatasetSpec, DatasetResult, ShardProgress), ``inference_rows`` (journal
-rows, rejects, the reasoning split) and ``inference_pool`` (the reader, the workers, the commits).
-
-Errors: ``ServerGone`` (retries exhausted; ``rows_done``/``result`` set, finished rows are in the
-journal), ``RequestRejected`` (a non-retryable 4xx, e.g. bad sampling params or API key),
-``InputChanged``/``OutputLocked`` (tasks.shards), and whatever ``on_shard_committed`` raises (the
-shard it was called for stays committed; nothing else is lost).
+``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
+undoes half-finished commits, then streams the input once: committed shards and journaled ids are
+skipped, every generation is journaled as it arrives, and a shard commits once its whole slice is
+accounted for. Memory is flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
+import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tasks.inference._client import (
-    ClientConfig,
-    GenerateClient,
-    RequestRejected,
-    ServerGone,
-    default_concurrency,
-)
+from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._pool import InferencePool
-from tasks.inference._records import (
-    DEFAULT_SAMPLING,
-    DatasetResult,
-    DatasetSpec,
-    ShardProgress,
-    estimate_records,
-    fingerprint_server,
-)
+from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
+from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
+from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
+from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import OutputDir, ShardRecord
 
-__all__ = [
-    "DatasetResult",
-    "DatasetSpec",
-    "RequestRejected",
-    "ServerGone",
-    "ShardProgress",
-    "ShardRecord",
-    "fingerprint_server",
-    "run_dataset",
-    "run_dataset_async",
-    "run_inputs",
-]
-
-_AUTO = "auto"
+__all__ = ["run_dataset", "run_dataset_async"]
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -87,61 +42,48 @@ def _first_error(exc: BaseException) -> BaseException:
 async def run_dataset_async(
     spec: DatasetSpec,
     out_dir: str | Path,
-    server_url: str,
+    endpoint: Endpoint,
+    settings: InferenceSettings,
     *,
-    model_dir: str | Path | None,
-    shard_size: int,
-    concurrency: int | None = None,
-    sampling: Mapping[str, Any] | None = None,
-    reasoning_parser: str | None = _AUTO,
-    server_fingerprint: str | None = None,
-    model_name: str | None = None,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
-    api_key: str | None = None,
-    client_config: ClientConfig | None = None,
-    run_info: Mapping[str, Any] | None = None,
-    server_alive: Callable[[], bool] | None = None,
 ) -> DatasetResult:
     """The async form of :func:`run_dataset` (same arguments, same errors)."""
-    from tasks.prompts import ChatTemplate, input_fingerprint, iter_dataset
-
     spec = DatasetSpec(spec.name, Path(spec.path), spec.template_kwargs)
     out = OutputDir(out_dir)
-    if reasoning_parser == _AUTO:
-        from tasks.reasoning import parser_for_model
-
+    model_dir = settings.model_dir
+    reasoning_parser = settings.reasoning_parser
+    if reasoning_parser == AUTO:
         reasoning_parser = parser_for_model(model_dir) if model_dir is not None else None
     if reasoning_parser is not None:
-        from tasks.reasoning import tags_for
-
         tags_for(reasoning_parser)  # ValueError naming the valid parsers, before any request
     template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
     started = time.monotonic()
     loop = asyncio.get_running_loop()
-    with out.ensure_locked(_lock_info(run_info)):
+    with out.ensure_locked(_lock_info(settings.run_info)):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
-                         shard_size=shard_size)
+                         shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
-        cfg = client_config or ClientConfig()
-        async with GenerateClient(server_url, cfg) as probe:
-            info = await probe.server_info() if (concurrency is None or server_fingerprint is None
-                                                  or model_name is None) else None
-        conc = concurrency or default_concurrency(info)
-        cfg = ClientConfig(**{**asdict(cfg), "concurrency": conc,
-                              "api_key": api_key if api_key is not None else cfg.api_key})
-        result = DatasetResult(spec.name, str(out.path), shard_size, conc, recovered=recovered)
+        cfg = settings.client
+        info = None
+        if settings.concurrency is None or settings.model_name is None:
+            async with GenerateClient(endpoint.url, cfg) as probe:
+                info = await probe.server_info()
+        conc = settings.concurrency or default_concurrency(info)
+        cfg = dataclasses.replace(cfg, concurrency=conc,
+                                  api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
+        result = DatasetResult(spec.name, str(out.path), settings.shard_size, conc, recovered=recovered)
         result.shards_skipped = len(out.committed_indices(spec.name))
+        model_name = settings.model_name
         if model_name is None:
             model_name = str((info or {}).get("served_model_name") or (info or {}).get("model_path")
                              or (Path(model_dir).name if model_dir else "unknown"))
-        async with GenerateClient(server_url, cfg, server_alive=server_alive) as client:
+        async with GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive) as client:
             driver = InferencePool(
-                spec, out, client, shard_size=shard_size, concurrency=conc,
-                sampling=sampling if sampling is not None else DEFAULT_SAMPLING,
-                reasoning_parser=reasoning_parser, template=template, model_name=model_name,
-                server_fingerprint=server_fingerprint or fingerprint_server(info),
+                spec, out, client, shard_size=settings.shard_size, concurrency=conc,
+                sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
+                model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
             )
             driver.committed = out.committed_indices(spec.name)
@@ -168,7 +110,9 @@ def _lock_info(run_info: Mapping[str, Any] | None) -> dict[str, Any]:
     info = dict(run_info or {})
     if info.get("flow_run") is None and "prefect" in sys.modules:
         try:
-            from prefect.runtime import flow_run
+            # Imported only when Prefect already is: this module must not load it (its settings
+            # are read at import, and plain callers of run_dataset do not use Prefect).
+            from prefect.runtime import flow_run  # noqa: PLC0415
 
             info["flow_run"] = flow_run.get_id()
         except Exception:  # outside a flow run, or an older Prefect: the body just lacks it
@@ -192,24 +136,39 @@ def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, datas
         result.shards_total = int(entry["num_shards"])
 
 
-def run_dataset(spec: DatasetSpec, out_dir: str | Path, server_url: str, **kwargs: Any) -> DatasetResult:
-    """Generate one dataset into ``out_dir`` against ``server_url``, resuming whatever is done.
+def run_dataset(
+    spec: DatasetSpec,
+    out_dir: str | Path,
+    endpoint: Endpoint,
+    settings: InferenceSettings,
+    *,
+    on_shard_committed: Callable[[ShardRecord], Any] | None = None,
+    progress: Callable[[ShardProgress], Any] | None = None,
+) -> DatasetResult:
+    """Generate one dataset into ``out_dir`` against ``endpoint``, resuming whatever is done.
 
-    Keyword arguments: ``model_dir`` (chat template; None: only pre-rendered prompts), ``shard_size``,
-    ``concurrency`` (None: 2x the server's max_running_requests, else 128), ``sampling``
-    (sampling_params; default max_new_tokens 4096), ``reasoning_parser`` ("auto": inferred from
-    model_dir; None: no split), ``server_fingerprint``, ``model_name`` (None: from /server_info),
-    ``on_shard_committed(ShardRecord)``, ``progress(ShardProgress)``, ``api_key``, ``client_config``
-    (timeouts/retries/transport), ``run_info`` (lock body: flow_run...), ``server_alive`` (liveness of
-    the server process, e.g. ``ServerHandle.is_alive``: consulted on connection errors, so that a dead
-    server raises ``ServerGone`` at once instead of after every retry; see tasks.inference._client).
+    Callable from a thread that runs an event loop (it then runs the loop in a helper thread).
 
-    Raises ``ServerGone`` (with ``rows_done``/``result``), ``RequestRejected``, ``InputChanged``,
-    ``OutputLocked``, ``tasks.prompts.TemplateError`` (template does not load), ``OSError`` (input
-    unreadable), and anything ``on_shard_committed`` raises. Callable from a thread that runs an
-    event loop (it then runs the loop in a helper thread).
+    Args:
+        spec: the dataset's name and input file.
+        out_dir: the output directory (its lock is taken, or reused when the caller holds it).
+        endpoint: the server, its fingerprint (the rows' ``server`` column) and liveness check.
+        settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
+        on_shard_committed: called with each committed shard's record (e.g. the validation gate).
+        progress: called with a ``ShardProgress`` after each commit.
+
+    Raises:
+        ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set).
+        RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
+        InputChanged: the input or the shard size differs from the one the output was bound to.
+        OutputLocked: another live process holds the output.
+        TemplateError: the model's chat template does not load.
+        ValueError: unknown reasoning parser.
+        OSError: the input is unreadable.
+        Exception: whatever ``on_shard_committed`` raises.
     """
-    coro = run_dataset_async(spec, out_dir, server_url, **kwargs)
+    coro = run_dataset_async(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
+                             progress=progress)
     if not _loop_running():
         # Outside the except clause of the loop probe: an error of the run must not carry the
         # probe's "no running event loop" as its context.
@@ -237,65 +196,3 @@ def _loop_running() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _dataset_name(path: Path) -> str:
-    stem = path.name.split(".")[0] or "dataset"
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip("._-") or "dataset"
-    return name[:128]
-
-
-def run_inputs(
-    inputs: Iterable[str | Path],
-    out_dir: str | Path,
-    server_url: str,
-    *,
-    model_dir: str | Path | None = None,
-    shard_size: int = 1000,
-    concurrency: int | None = None,
-    sampling: Mapping[str, Any] | None = None,
-    reasoning_parser: str | None = _AUTO,
-    api_key: str | None = None,
-    progress: Callable[[ShardProgress], Any] | None = None,
-    on_shard_committed: Callable[[ShardRecord], Any] | None = None,
-    run_info: Mapping[str, Any] | None = None,
-    client_config: ClientConfig | None = None,
-) -> list[DatasetResult]:
-    """``datagen run --input PATH... --server-url URL``: ad-hoc datasets against a running server.
-
-    Each input becomes a dataset named after its file stem. ``model_dir`` None: the server's
-    ``/model_info`` model_path when that directory exists here (for the chat template and parser).
-    The output lock is held across all inputs. Raises what :func:`run_dataset` raises, and
-    ``ValueError`` when two inputs map to the same dataset name.
-    """
-    paths = [Path(p) for p in inputs]
-    names = [_dataset_name(p) for p in paths]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise ValueError(f"inputs map to the same dataset name(s) {sorted(dupes)}; rename the files")
-    if model_dir is None:
-        model_dir = _model_dir_from_server(server_url, api_key)
-    out = OutputDir(out_dir)
-    results = []
-    with out.ensure_locked(_lock_info(run_info)):
-        for name, path in zip(names, paths, strict=True):
-            results.append(run_dataset(
-                DatasetSpec(name, path), out_dir, server_url, model_dir=model_dir, shard_size=shard_size,
-                concurrency=concurrency, sampling=sampling, reasoning_parser=reasoning_parser,
-                api_key=api_key, progress=progress, on_shard_committed=on_shard_committed,
-                client_config=client_config,
-            ))
-    return results
-
-
-def _model_dir_from_server(server_url: str, api_key: str | None) -> Path | None:
-    async def probe() -> dict[str, Any] | None:
-        async with GenerateClient(server_url, ClientConfig(concurrency=1, api_key=api_key,
-                                                           request_timeout_s=30)) as c:
-            return await c.get_json("/model_info") or await c.get_json("/get_model_info")
-
-    info = asyncio.run(probe())
-    path = (info or {}).get("model_path")
-    if isinstance(path, str) and Path(path).is_dir():
-        return Path(path)
-    return None

@@ -24,6 +24,7 @@ from typing import Any
 from tasks.inference._client import GenerateClient, PromptTooLong
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, public_reject
+from tasks.prompts import Reject
 from tasks.shards import Journal, OutputDir, ShardRecord
 
 __all__ = ["InferencePool"]
@@ -210,8 +211,6 @@ class InferencePool:
 
     async def _read(self, input_iter: Iterable[Any], queue: asyncio.Queue[_Item | None],
                     tg: asyncio.TaskGroup) -> None:
-        from tasks.prompts import Reject
-
         size = self.shard_size
         pos = -1
         for pos, item in enumerate(input_iter):

@@ -2,19 +2,17 @@
 
 ``DatasetSpec`` names a dataset and its input; ``ShardProgress`` is handed to the ``progress``
 callback after each shard commit; ``DatasetResult`` is what ``run_dataset`` returns (and what a
-``ServerGone`` carries). ``fingerprint_server`` and ``estimate_records`` are the small derivations
-the driver needs for them. Nothing here raises.
+``ServerGone`` carries). ``estimate_records`` sizes an input for the ETA. Nothing here raises.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
+import pyarrow.parquet as pq
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -22,7 +20,6 @@ __all__ = [
     "DatasetSpec",
     "ShardProgress",
     "estimate_records",
-    "fingerprint_server",
 ]
 
 DEFAULT_SAMPLING: Mapping[str, Any] = {"max_new_tokens": 4096}
@@ -39,7 +36,7 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class ShardProgress:
-    """Progress after a shard commit (issue 6 item 9). Token rates are over the shard's wall time."""
+    """Progress after a shard commit. Token rates are over the shard's wall time."""
 
     dataset: str
     shard: int
@@ -88,15 +85,6 @@ class DatasetResult:
         return asdict(self)
 
 
-def fingerprint_server(info: Mapping[str, Any] | None) -> str:
-    """A short stable hash of a server's launch (its /server_info without run-time state)."""
-    if not info:
-        return "unknown"
-    volatile = {"internal_states", "status", "last_gen_throughput", "pid"}
-    stable = {k: v for k, v in info.items() if k not in volatile and isinstance(v, str | int | float | bool)}
-    return hashlib.sha256(orjson.dumps(stable, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
-
-
 def estimate_records(path: Path) -> int | None:
     """Records in the input, cheaply (for the ETA only): Parquet metadata or JSONL newlines.
 
@@ -104,8 +92,6 @@ def estimate_records(path: Path) -> int | None:
     """
     try:
         if path.name.lower().endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             return int(pq.ParquetFile(path).metadata.num_rows)
         n, last = 0, b"\n"
         with open(path, "rb") as fh:

@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 
 from tasks.inference._client import GenerateResult
+from tasks.prompts import opens_think, render_row
+from tasks.reasoning import split_reasoning
 
 __all__ = ["RowBuilder", "public_reject"]
 
@@ -40,8 +42,6 @@ class RowBuilder:
     def prompt_for(self, item: Any) -> tuple[str | None, str]:
         """``(prompt, "")`` for an input row (``tasks.prompts.InputRow``), or ``(None, reason)``
         when it has no pre-rendered prompt and the chat template is missing or fails on it."""
-        from tasks.prompts import render_row
-
         try:
             prompt = render_row(item, self.template, **self.template_kwargs) if (
                 item.prompt is None and self.template is not None) else item.prompt
@@ -55,16 +55,12 @@ class RowBuilder:
         """Whether the rendered prompt already opened the parser's think block."""
         if not self.parser:
             return False
-        from tasks.prompts import opens_think
-
         return opens_think(prompt, self.parser)
 
     def split(self, text: str, think_in_prompt: bool) -> tuple[str | None, str]:
         """``(reasoning, content)`` of a generation; ``(None, text)`` without a parser."""
         if not self.parser:
             return None, text
-        from tasks.reasoning import split_reasoning
-
         # None keeps the parser's own default (deepseek-r1 is always forced); True forces it.
         return split_reasoning(text, self.parser, force_reasoning=True if think_in_prompt else None)
 

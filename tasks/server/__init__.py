@@ -1,4 +1,9 @@
-"""Launching SGLang (or the emulator): command line, readiness, failure classifier, tuner, stop."""
+"""Launching SGLang (or the emulator): command line, readiness, failure classifier, tuner, stop.
+
+``launch_tuned(cfg, target, log_dir)`` starts a server with a tuned ``--mem-fraction-static`` and
+returns its ``ServerHandle``; ``stop_server`` ends its process group and cleans its GPUs;
+``HangWatchdog`` kills a server that lives but answers nothing.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ from tasks.server._tuner import (
     record_runtime_oom,
     runtime_failure,
 )
+from tasks.server._watchdog import HangWatchdog
 
 __all__ = [
     "API_KEY_ENV",
@@ -64,6 +70,7 @@ __all__ = [
     "FailureKind",
     "FileStore",
     "FractionMemory",
+    "HangWatchdog",
     "HygieneFn",
     "LaunchFailed",
     "LaunchReport",

@@ -5,15 +5,10 @@ Errors::
     ServerError           base of every tasks.server* error
     └── ServerConfigError a config field is invalid (raised by ServerConfig itself)
 
-API key: SGLang reads ``--api-key`` only from its command line, which any user can read in ``ps``.
-With a key, the launcher starts ``python -c <stub> <module> <flags>``: the bootstrap takes the key
-from the environment variable ``DATAGEN_SERVER_API_KEY`` (popped, so SGLang's spawned children do not
-inherit it), appends ``--api-key`` to ``sys.argv`` in memory only (``/proc/PID/cmdline`` keeps the
-original argv) and copies the server's output to the log with the key replaced by ``***`` (SGLang
-logs ``server_args=ServerArgs(..., api_key=...)`` at startup). Trade-off: one extra process (the
-session leader, mirroring the server's exit status), and the key stays readable in
-``/proc/<leader>/environ`` by the same user and root, as any environment secret is. On remote
-targets that environment travels over the SSH channel's stdin (tasks.targets), never on a command line.
+API key: never on a command line. With a key, the launcher runs a small bootstrap (``launch_argv``)
+that takes it from ``DATAGEN_SERVER_API_KEY`` in the environment, puts it in the server's
+``sys.argv`` in memory only, and copies the server's output to the log with the key replaced by
+``***``; the README's Decisions give the trade-off.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""SGLang server lifecycle: launch, readiness and a clean stop (the public face of tasks.server_*).
+"""SGLang server lifecycle: launch in its own session, readiness, and a clean stop.
 
-Modules: ``tasks.server._config`` (ServerConfig, the command line, the API-key bootstrap),
-``tasks.server._log`` (failure classifier, startup progress, LaunchFailed), ``tasks.server._remote``
-(ssh:// and pct:// targets); every public name of those is importable from here.
+Readiness is ``/health_generate`` answering 200 while the launched process lives; a stop is one
+process-group termination followed by GPU hygiene. Why: README Decisions (Server launch, API key).
 
 Errors::
 
     ServerError
     ├── ServerConfigError   the config is invalid (raised by ServerConfig itself)
     ├── LaunchFailed        the server exited, hung past the deadline, or could not be started;
-    │                       carries .failure (kind + one-line explanation), .log_tail, .exit_status,
-    │                       .attempts (filled in by the tuner), .log_path
+    │                       carries .failure, .log_tail, .exit_status, .attempts, .log_path
     └── StopFailed          the group was killed but hygiene did not verify the GPUs clean
-
-The server runs in its own session (process group), so stopping it is one ``killpg`` that reaches
-every scheduler, even one reparented to PID 1. Readiness is ``/health_generate`` answering 200 while
-the process is alive (shared/reference/sglang.md); a 200 from anything else proves nothing.
-
-API key: never on a command line, locally or on a target (see tasks.server._config); the server's log
-has it replaced by ``***``. Remote targets (``ssh://``, ``pct://``): the server runs detached on the
-target bound to its loopback, reached through an SSH port forward (see tasks.server._remote).
 """
 
 from __future__ import annotations
@@ -28,18 +18,18 @@ import contextlib
 import logging
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
+from tasks.hygiene import clean_gpus
+from tasks.procs import group_pids, live_pids, terminate_group
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
     API_KEY_ENV,
@@ -137,7 +127,7 @@ class ServerHandle:
             return self._popen.poll() is None
         if self.is_remote:
             return server_remote.is_alive(self.target, self.pid)
-        return bool(_alive([self.pid]))
+        return bool(live_pids([self.pid]))
 
     def exit_status(self) -> int | None:
         """The main process's exit status (negative: killed by that signal); None while alive/unknown."""
@@ -245,7 +235,7 @@ def launch(
         _close_tunnel(handle)
         raise
     if not handle.is_remote:
-        handle.member_pids = _group_pids(handle.pgid)
+        handle.member_pids = group_pids(handle.pgid)
     return handle
 
 
@@ -385,65 +375,14 @@ def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None
 # Process groups
 
 
-def _group_pids(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid`` on this host."""
-    pids = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                pids.append(p.pid)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return sorted(pids)
-
-
-def _alive(pids: Sequence[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            continue
-    return out
-
-
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
     """SIGTERM the group, wait up to ``grace_s``, SIGKILL survivors. Returns every pid seen."""
     if handle.is_remote:
         server_remote.kill_group(handle.target, handle.pgid, grace_s)
         return list(handle.member_pids)
-    seen = set(_group_pids(handle.pgid)) | set(handle.member_pids)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(handle.pgid, signal.SIGTERM)
-    if not _wait_gone(handle, grace_s, seen):
-        seen |= set(_group_pids(handle.pgid))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(handle.pgid, signal.SIGKILL)
-        # Members that left the group (setsid) are still ours: they were seen in it.
-        for pid in _alive(sorted(seen)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        _wait_gone(handle, 10.0, seen)
-    return sorted(seen)
-
-
-def _wait_gone(handle: ServerHandle, timeout: float, seen: set[int]) -> bool:
-    """Poll until the leader is reaped and no group member lives; True when that happened in time."""
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        if handle._popen is not None:
-            handle._popen.poll()  # reap the leader so it does not linger as a zombie
-        members = _group_pids(handle.pgid)
-        seen.update(members)
-        if not members and (handle._popen is None or handle.exit_status() is not None):
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        _wait_exit(handle, min(delay, left))
-        delay = min(delay * 2, 0.25)
+    # Members that left the group (setsid) are still ours: they were seen in it.
+    end = terminate_group(handle.pgid, grace_s, kill_pids=handle.member_pids, leader=handle._popen)
+    return list(end.seen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,9 +393,7 @@ HygieneFn = Callable[..., Any]
 
 
 def _default_hygiene(target: str, gpus: list[int], extra_pids: list[int], grace_s: float) -> Any:
-    """Narrow seam to tasks.hygiene (issue 4), so tests and flows can plug another in."""
-    from tasks.hygiene import clean_gpus
-
+    """Narrow seam to tasks.hygiene, so that tests and flows can plug another in."""
     return clean_gpus(target, gpus=gpus, grace_s=grace_s, extra_pids=tuple(extra_pids))
 
 

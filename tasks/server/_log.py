@@ -2,7 +2,7 @@
 
 ``classify_failure`` (re-exported by tasks.server._tuner) reads the log text and exit status of a failed
 launch; ``parse_progress`` folds SGLang's startup lines into a ``StartupProgress``. Both accept the
-old and new line forms of shared/reference/sglang.md and never raise.
+old and new forms of SGLang's log lines and never raise.
 
 Errors: ``LaunchFailed`` (a ServerError) carries the classified ``Failure``, the log tail, the exit
 status, the command and the log path of a launch that did not become ready.
@@ -160,7 +160,7 @@ _P_READY = re.compile(r"The server is fired up and ready to roll")
 def parse_progress(text: str, progress: StartupProgress | None = None) -> StartupProgress:
     """Fold SGLang startup log ``text`` into ``progress`` (a new one when None) and return it.
 
-    Accepts the old and new line forms of shared/reference/sglang.md. Per-rank values keep the
+    Accepts the old and new forms of SGLang's log lines. Per-rank values keep the
     worst rank (lowest headroom, highest weights). Never raises.
     """
     p = progress or StartupProgress()

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -30,8 +29,9 @@ from typing import Any, Protocol
 import httpx
 
 from tasks.errors import DatagenError
+from tasks.files import atomic_write_json
+from tasks.hygiene import gpu_names
 from tasks.server._launch import ServerConfig, format_fraction, server_flags
-from tasks.shards._fs import fsync_dir
 
 __all__ = [
     "FileStore",
@@ -156,18 +156,7 @@ class FileStore:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
 
     def _write(self, data: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".fractions-", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.path.parent)
+        atomic_write_json(self.path, data, indent=2, sort_keys=True)
 
     def get(self, key: str) -> MemoryEntry | None:
         raw = self._read()["entries"].get(key)
@@ -197,13 +186,13 @@ class PrefectStore:
         return self.prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
 
     def get(self, key: str) -> MemoryEntry | None:
-        from prefect.variables import Variable
+        from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
         raw = Variable.get(self._name(key), default=None)
         return MemoryEntry.from_dict(raw) if isinstance(raw, dict) else None
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
-        from prefect.variables import Variable
+        from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
         # Last writer wins: two runs tuning the same key at once is already prevented by the
         # one-server-per-host limit, so no compare-and-swap here.
@@ -212,7 +201,7 @@ class PrefectStore:
         return entry
 
     def entries(self) -> list[MemoryEntry]:
-        from prefect.client.orchestration import get_client
+        from prefect.client.orchestration import get_client  # noqa: PLC0415 (as above)
 
         with get_client(sync_client=True) as client:
             variables = client.read_variables()
@@ -231,7 +220,7 @@ def prefect_api_reachable(timeout_s: float = 2.0) -> bool:
     url = os.environ.get("PREFECT_API_URL", "").strip()
     if not url:
         try:
-            from prefect.settings import PREFECT_API_URL
+            from prefect.settings import PREFECT_API_URL  # noqa: PLC0415 (as above)
 
             url = (PREFECT_API_URL.value() or "").strip()
         except Exception:
@@ -296,8 +285,6 @@ def list_remembered(memory: FractionMemory | None = None) -> list[dict[str, Any]
 def gpu_model_name(target: Any, gpus: list[int]) -> str:
     """The GPU model of the first selected GPU on ``target`` (the same discovery hygiene uses: NVML,
     nvidia-smi or simulated GPUs); "unknown-gpu" when it cannot be read."""
-    from tasks.hygiene import gpu_names
-
     try:
         name = gpu_names(target).get(gpus[0] if gpus else 0)
     except Exception as exc:  # discovery trouble must not stop a launch; the key just gets coarser

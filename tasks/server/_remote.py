@@ -32,6 +32,7 @@ from tasks.targets import Target, parse_target, run_command, ssh_command, start_
 __all__ = ["RemoteStart", "Tunnel", "is_alive", "kill_group", "open_tunnel", "read_log", "start_remote"]
 
 _CMD_TIMEOUT_S = 30
+_ALIVE_TIMEOUT_S = 10.0  # asked on every connection error of the client: answer fast
 TUNNEL_DEADLINE_S = 15.0
 
 
@@ -95,11 +96,16 @@ def read_log(target: str | Target, log_path: str, max_bytes: int) -> str:
 
 
 def is_alive(target: str | Target, pid: int) -> bool:
-    """Whether ``pid`` runs on ``target`` (a zombie counts as dead)."""
+    """Whether ``pid`` runs on ``target``. Dead only when ``ps`` itself says so: no such process
+    (exit 1, no output) or a zombie. An SSH failure says nothing about the server, so it reads as
+    alive: callers (the inference client, readiness, the hang watchdog) then keep their own retry
+    and deadline paths instead of giving a live server up."""
     # `ps -o stat=` tells a zombie apart from a live process; kill -0 would not.
-    res = run_command(parse_target(target), ["ps", "-o", "stat=", "-p", str(pid)], timeout_s=_CMD_TIMEOUT_S)
+    res = run_command(parse_target(target), ["ps", "-o", "stat=", "-p", str(pid)], timeout_s=_ALIVE_TIMEOUT_S)
     stat = res.stdout.strip()
-    return bool(stat) and not stat.startswith("Z")
+    if not stat:
+        return res.exited != 1
+    return not stat.startswith("Z")
 
 
 def kill_group(target: str | Target, pgid: int, grace_s: float) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tasks.hygiene import clean_gpus
 from tasks.server._launch import (
     Failure,
     LaunchFailed,
@@ -181,8 +182,6 @@ class LaunchReport:
 
 
 def _default_hygiene(target: Any, gpus: list[int]) -> Any:
-    from tasks.hygiene import clean_gpus
-
     return clean_gpus(target, gpus=gpus)
 
 

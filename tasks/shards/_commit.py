@@ -17,8 +17,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.files import append_durable, atomic_write_bytes
 from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
-from tasks.shards._fs import append_durable, atomic_write_bytes
 
 __all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
 
@@ -26,7 +26,9 @@ __all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
 def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
     """Build a ROW_SCHEMA table from row dicts (journal form: ``generated_at`` as ISO text).
 
-    Raises ``pyarrow.ArrowInvalid``/``KeyError`` when a row lacks a column or has a wrong type.
+    Raises:
+        KeyError: a row lacks a column.
+        pyarrow.ArrowInvalid: a value has the wrong type.
     """
     cols: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
     for row in rows:
@@ -44,7 +46,13 @@ def _parse_ts(value: Any) -> Any:
 def write_parquet(final: Path, table: pa.Table) -> str:
     """Write ``table`` (cast to ROW_SCHEMA) to ``final`` atomically; returns the file's sha256.
 
-    Raises ``OSError``, or ``pyarrow.ArrowInvalid`` when the table cannot be cast to ROW_SCHEMA.
+    Args:
+        final: the shard's path; its directory is created when missing.
+        table: the rows.
+
+    Raises:
+        OSError: the file cannot be written (``final`` keeps its old content).
+        pyarrow.ArrowInvalid: the table cannot be cast to ROW_SCHEMA.
     """
     if table.schema != ROW_SCHEMA:
         table = table.select(list(ROW_SCHEMA.names)).cast(ROW_SCHEMA)
@@ -59,7 +67,13 @@ def write_parquet(final: Path, table: pa.Table) -> str:
 def append_rejects(path: Path, index: int, rejects: list[dict[str, Any]]) -> None:
     """Append ``rejects`` to the dataset's reject file, tagged with shard ``index``, and fsync.
 
-    Raises ``OSError``.
+    Args:
+        path: the dataset's reject file (``_rejects/<dataset>.jsonl``).
+        index: the shard the rejects belong to.
+        rejects: the reject records.
+
+    Raises:
+        OSError: the file cannot be written.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     append_durable(path, b"".join(orjson.dumps({**r, "shard": index}) + b"\n" for r in rejects))

@@ -1,10 +1,8 @@
 """Per-shard journals: the rows and rejects finished in a shard that is not committed yet.
 
-Durability: every record is written with one ``write`` and flushed to the OS at once, so a
-``kill -9`` of the run loses nothing that was journaled (the page cache survives the process). An
-``fsync`` is issued at most once per ``JOURNAL_FSYNC_INTERVAL_S`` per journal and at commit, which
-bounds what a machine crash (power loss, kernel panic) can lose to about one second of rows; those
-rows are simply regenerated. A torn last line (the process died inside ``write``) is ignored on read.
+Each record is one ``write``, flushed to the OS at once (a ``kill -9`` of the run loses nothing);
+``fsync`` runs at most once per ``JOURNAL_FSYNC_INTERVAL_S`` and at commit. A torn last line (the
+process died inside ``write``) is ignored on read.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from tasks.shards._fs import fsync_dir
+from tasks.files import fsync_dir
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "Journal", "JournalContents"]
 
@@ -82,7 +80,8 @@ class Journal:
     def append(self, record: dict[str, Any]) -> None:
         """Append one record (flushed to the OS before returning; fsync at most once per interval).
 
-        Raises ``OSError`` (``EIO`` for a short write: never half a record).
+        Raises:
+            OSError: the write failed (``EIO`` for a short write: never half a record).
         """
         fd = self._open()
         data = orjson.dumps(record) + b"\n"

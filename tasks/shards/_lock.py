@@ -102,7 +102,11 @@ class OutputLock:
         return self._fd is not None
 
     def acquire(self) -> OutputLock:
-        """Take the lock without waiting. Raises ``OutputLocked`` naming the current holder."""
+        """Take the lock without waiting (re-acquiring a held lock object nests).
+
+        Raises:
+            OutputLocked: another process, or another lock object here, holds it (names the holder).
+        """
         key = self.out.key
         with _HELD_GUARD:
             mine = _HELD.get(key)

@@ -16,8 +16,9 @@ from typing import Any
 
 import orjson
 
+from tasks.files import atomic_write_bytes
 from tasks.shards._errors import InputChanged, ManifestError
-from tasks.shards._fs import atomic_write_bytes, utc_now_iso
+from tasks.shards._fs import utc_now_iso
 
 __all__ = [
     "MANIFEST_FILE",
@@ -66,7 +67,11 @@ CommittedShard = ShardRecord
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest at ``path``, or None when there is none yet. Raises ``ManifestError`` if unreadable."""
+    """The manifest at ``path``, or None when there is none yet.
+
+    Raises:
+        ManifestError: the file is unreadable or not a manifest.
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -82,7 +87,11 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Stamp ``updated_at`` and replace the manifest atomically. Raises ``OSError``."""
+    """Stamp ``updated_at`` and replace the manifest atomically.
+
+    Raises:
+        OSError: the manifest cannot be written (the old one stays).
+    """
     manifest["updated_at"] = utc_now_iso()
     atomic_write_bytes(path, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
 
@@ -94,7 +103,16 @@ def new_manifest(shard_size: int) -> dict[str, Any]:
 
 
 def check_shard_size(manifest: dict[str, Any], shard_size: int, out_path: Path) -> None:
-    """Raises ``InputChanged`` when the output at ``out_path`` was written with another shard size."""
+    """Check that ``manifest`` was written with ``shard_size``.
+
+    Args:
+        manifest: the output's manifest.
+        shard_size: the shard size of this run.
+        out_path: the output directory (for the message).
+
+    Raises:
+        InputChanged: the output was written with another shard size.
+    """
     if int(manifest["shard_size"]) != shard_size:
         raise InputChanged(
             f"shard size of {out_path}",
@@ -110,7 +128,14 @@ def bind_dataset(
 ) -> tuple[dict[str, Any], bool]:
     """The dataset's entry, added when new: ``(entry, added)``.
 
-    Raises ``InputChanged`` when the dataset was recorded with another input fingerprint.
+    Args:
+        manifest: the output's manifest (edited in place).
+        dataset: the dataset name.
+        input_path: the input file, recorded for a new dataset.
+        input_fingerprint: the input's fingerprint.
+
+    Raises:
+        InputChanged: the dataset was recorded with another input fingerprint.
     """
     entry = manifest["datasets"].get(dataset)
     if entry is None:

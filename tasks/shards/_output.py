@@ -1,6 +1,6 @@
 """The output directory: lock, manifest, per-shard journals, rejects and atomic shard commits.
 
-Layout (DESIGN.md "Output dataset")::
+Layout::
 
     OUT/_lock                                   flock held by the writing run; JSON body names it
     OUT/_manifest.json                          shard size, input fingerprints, committed shards
@@ -8,30 +8,9 @@ Layout (DESIGN.md "Output dataset")::
     OUT/_journal/<dataset>/shard-00007.jsonl    rows/rejects finished in a shard not yet committed
     OUT/_rejects/<dataset>.jsonl                input rows that could not be used, with the reason
 
-Shard k of a dataset is the fixed slice ``[k*S, (k+1)*S)`` of its input records (rejects included),
-so a committed shard's rows + rejects == the slice size (the last shard may be shorter).
-
-Commit order (each step durable before the next, so a crash at any instant is recoverable):
-
-1. the shard's rejects are appended to ``_rejects/<dataset>.jsonl`` (tagged with the shard), fsync;
-2. the Parquet file is written to a temp name in the same directory, fsync, rename, fsync dir;
-3. the manifest is rewritten atomically (temp + fsync + rename + fsync dir);
-4. the journal is removed.
-
-``OutputDir.recover()`` (run under the lock at the start of every run) undoes a half-finished
-commit: temp files are removed, a Parquet file that the manifest does not list is removed (its
-journal still exists, so the rows are recommitted without new requests), a journal of a shard the
-manifest lists is removed, and reject lines of uncommitted shards are dropped (they come back with
-their shard's commit).
-
-This module is the public surface; the parts live next to it: ``shards_lock`` (the flock),
-``shards_manifest``, ``shards_journal`` (durability of journaled rows), ``shards_commit`` (Parquet
-and reject files), ``shards_recovery``, ``shards_fs`` (atomic writes) and ``shards_errors``::
-
-    ShardsError
-    ├── OutputLocked    another live process holds OUT/_lock (names host, pid, flow run, start)
-    ├── InputChanged    shard size or input fingerprint differ from the manifest
-    └── ManifestError   the manifest is unreadable or inconsistent
+Shard k of a dataset is the slice ``[k*S, (k+1)*S)`` of its input records. A commit appends the
+rejects, writes the Parquet file, rewrites the manifest and removes the journal, each step durable
+before the next; ``OutputDir.recover()`` undoes what a crash between two steps leaves behind.
 """
 
 from __future__ import annotations
@@ -45,14 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
-from tasks.shards._errors import InputChanged, ManifestError, OutputLocked, ShardsError
+from tasks.shards._errors import ManifestError, ShardsError
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
-from tasks.shards._journal import JOURNAL_FSYNC_INTERVAL_S, Journal, JournalContents
-from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder, read_lock_body
+from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder
 from tasks.shards._manifest import (
     MANIFEST_FILE,
-    MANIFEST_VERSION,
-    CommittedShard,
     ShardRecord,
     add_shard,
     bind_dataset,
@@ -72,23 +48,7 @@ from tasks.shards._recovery import (
     remove_temp_files,
 )
 
-__all__ = [
-    "JOURNAL_FSYNC_INTERVAL_S",
-    "MANIFEST_VERSION",
-    "CommittedShard",
-    "InputChanged",
-    "Journal",
-    "JournalContents",
-    "ManifestError",
-    "OutputDir",
-    "OutputLock",
-    "OutputLocked",
-    "ShardRecord",
-    "ShardsError",
-    "rows_to_table",
-    "shard_file_name",
-    "utc_now_iso",
-]
+__all__ = ["OutputDir"]
 
 
 class OutputDir:
@@ -124,7 +84,11 @@ class OutputDir:
 
     @staticmethod
     def check_dataset_name(dataset: str) -> None:
-        """Raises ValueError for a name that is not a safe single path component."""
+        """Check that ``dataset`` is a safe single path component.
+
+        Raises:
+            ValueError: it is not.
+        """
         check_dataset_name(dataset)
 
     # -- lock --------------------------------------------------------------------------------------
@@ -132,8 +96,14 @@ class OutputDir:
     def lock(self, run_info: dict[str, Any] | None = None) -> OutputLock:
         """The output's lock as a context manager (``with out.lock({"flow_run": id}):``).
 
-        Entering raises ``OutputLocked`` when another process (or another lock object in this
-        process) holds it; re-entering the same lock object nests.
+        Re-entering the same lock object nests.
+
+        Args:
+            run_info: written into the lock's JSON body (e.g. ``{"flow_run": id}``).
+
+        Raises:
+            OutputLocked: on entering, when another process (or another lock object in this
+                process) holds it.
         """
         return OutputLock(self, run_info)
 
@@ -145,7 +115,8 @@ class OutputDir:
     def ensure_locked(self, run_info: dict[str, Any] | None = None) -> Iterator[OutputLock]:
         """Reuse this process's lock on the output, or take it for the duration of the block.
 
-        Raises ``OutputLocked`` when it has to take the lock and another run holds it.
+        Raises:
+            OutputLocked: it has to take the lock and another run holds it.
         """
         held = self.held_lock()
         if held is not None:
@@ -153,10 +124,6 @@ class OutputDir:
             return
         with self.lock(run_info) as lk:
             yield lk
-
-    def lock_body(self) -> dict[str, Any]:
-        """The lock file's JSON body ({} when missing or unreadable), whether or not it is held."""
-        return read_lock_body(self.path / LOCK_FILE)
 
     def lock_holder(self) -> dict[str, Any] | None:
         """The body of a lock that a live process holds right now, else None (stale bodies ignored)."""
@@ -169,13 +136,19 @@ class OutputDir:
     # -- manifest ----------------------------------------------------------------------------------
 
     def read_manifest(self) -> dict[str, Any] | None:
-        """The manifest, or None when the output has none yet. Raises ``ManifestError`` if unreadable."""
+        """The manifest, or None when the output has none yet.
+
+        Raises:
+            ManifestError: the manifest is unreadable.
+        """
         return read_manifest(self.manifest_path)
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Replace the manifest atomically (temp + fsync + rename + fsync dir). Needs the lock.
 
-        Raises ``ShardsError`` without the lock, ``OSError`` when it cannot be written.
+        Raises:
+            ShardsError: this process does not hold the lock.
+            OSError: the manifest cannot be written.
         """
         self._require_lock()
         write_manifest(self.manifest_path, manifest)
@@ -190,8 +163,18 @@ class OutputDir:
     ) -> dict[str, Any]:
         """Bind ``dataset`` to its input and the output to ``shard_size``, recording both on first use.
 
-        Returns the dataset's manifest entry. Raises ``InputChanged`` when the output was written
-        with another shard size or another input fingerprint, ``ValueError`` for a bad name/size.
+        Returns the dataset's manifest entry. Needs the lock.
+
+        Args:
+            dataset: the dataset name.
+            input_path: the input file.
+            input_fingerprint: the input's fingerprint.
+            shard_size: input records per shard.
+
+        Raises:
+            InputChanged: the output was written with another shard size or input fingerprint.
+            ValueError: a bad dataset name or shard size.
+            ShardsError: this process does not hold the lock.
         """
         self.check_dataset_name(dataset)
         if shard_size < 1:
@@ -237,8 +220,18 @@ class OutputDir:
     ) -> ShardRecord:
         """Commit shard ``index``: rejects, then Parquet (atomic), then manifest, then drop the journal.
 
-        ``rows`` are row dicts (journal form) or a ROW_SCHEMA table. Needs the lock; raises
-        ``ManifestError`` when the dataset was not opened.
+        Needs the lock.
+
+        Args:
+            dataset: an opened dataset.
+            index: the shard index.
+            rows: row dicts (journal form) or a ROW_SCHEMA table.
+            rejects: the shard's reject records.
+
+        Raises:
+            ShardsError: this process does not hold the lock.
+            ManifestError: there is no manifest or the dataset was not opened.
+            OSError: a file cannot be written (the commit can be redone after ``recover``).
         """
         self._require_lock()
         manifest = self._manifest_or_raise()
@@ -261,9 +254,11 @@ class OutputDir:
     def replace_shard(self, dataset: str, index: int, table: pa.Table) -> ShardRecord:
         """Atomically replace committed shard ``index`` with ``table`` (same rows, rewritten columns).
 
-        For ``datagen resplit``. Takes the lock for the call if this process does not hold it
-        (raises ``OutputLocked`` when another run does); raises ``ManifestError`` when the shard is
-        not committed or the row count changes.
+        For ``datagen resplit``. Takes the lock for the call if this process does not hold it.
+
+        Raises:
+            OutputLocked: another run holds the lock.
+            ManifestError: the shard is not committed, or the row count changes.
         """
         with self.ensure_locked({"command": "replace_shard"}):
             manifest = self._manifest_or_raise()
@@ -296,7 +291,10 @@ class OutputDir:
         """Undo half-finished commits of ``dataset`` (see the module docstring). Needs the lock.
 
         Returns counts of what was cleaned: temp_files, orphan_shards, stale_journals, stale_rejects.
-        Raises ``ShardsError`` without the lock, ``ManifestError`` for an unreadable manifest.
+
+        Raises:
+            ShardsError: this process does not hold the lock.
+            ManifestError: the manifest is unreadable.
         """
         self._require_lock()
         journal_dir = self._journal_dir(dataset)

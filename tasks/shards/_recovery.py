@@ -11,7 +11,8 @@ from pathlib import Path
 
 import orjson
 
-from tasks.shards._fs import TMP_MARK, atomic_write_bytes, shard_index_of
+from tasks.files import TMP_MARK, atomic_write_bytes
+from tasks.shards._fs import shard_index_of
 
 __all__ = [
     "journal_indices",

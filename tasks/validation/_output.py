@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.files import atomic_write_json
 from tasks.validation._checks import judge_all, measure_all
 from tasks.validation._checks_structure import judge_unique
 from tasks.validation._errors import BadOutput
@@ -87,17 +87,7 @@ def _sha256(path: Path) -> str:
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     """Atomic: a temp file in the same directory, fsynced, renamed over the target."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, doc, indent=2, default=str, newline=True)
 
 
 # ----------------------------------------------------------------------------------------- shards

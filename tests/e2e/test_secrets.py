@@ -36,7 +36,6 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from emulator.simgpu import SimGpus
-from flows.stages import server_config
 from tasks.config import load_partition
 from tasks.server import API_KEY_ENV, launch_argv, launch_env
 from tests.support.paths import REPO_ROOT
@@ -301,7 +300,7 @@ def test_flow_server_config_carries_secrets_but_never_shows_them(tmp_path: Path,
     key, token = f"sk-envkey-{uuid.uuid4().hex}", f"hf_envtoken{uuid.uuid4().hex}"
     monkeypatch.setenv("DATAGEN_API_KEY", key)
     monkeypatch.setenv("HF_TOKEN", token)
-    scfg = server_config(load_partition(str(_partition(tmp_path, ""))), 30000, "qwen3")
+    scfg = load_partition(str(_partition(tmp_path, ""))).server_config(30000, "qwen3")
     env = launch_env(scfg, base={})
     assert (env[API_KEY_ENV], env["HF_TOKEN"]) == (key, token)
     shown = repr(scfg) + " ".join(launch_argv(scfg, 0.88))

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from tasks.inference import ClientConfig, DatasetSpec, run_dataset
-from tasks.shards import Journal, OutputDir
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ShardProgress, run_dataset
+from tasks.shards import Journal, OutputDir, ShardRecord
 from tests.support.emulator import DEMO_MODEL
 from tests.support.paths import REPO_ROOT
 
@@ -91,12 +92,12 @@ def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
 
 DRIVER = """
 import json, sys
-from tasks.inference import ClientConfig
-from tasks.inference import DatasetSpec, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, run_dataset
 a = json.loads(sys.argv[1])
-r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], a["url"], model_dir=a["model"], shard_size=a["shard"],
-                concurrency=a["conc"], sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
-                client_config=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+settings = InferenceSettings(model_dir=a["model"], shard_size=a["shard"], concurrency=a["conc"],
+                             sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
+                             client=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], Endpoint(a["url"], "test-server"), settings)
 print(json.dumps(r.to_dict()), flush=True)
 """
 
@@ -109,8 +110,13 @@ def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
                             stderr=subprocess.PIPE)
 
 
-def run(inp: Path, out: Path, url: str, shard: int = 16, **kw: Any):
-    kw.setdefault("client_config", FAST_CLIENT)
-    kw.setdefault("sampling", {"max_new_tokens": 64})
-    kw.setdefault("concurrency", 32)
-    return run_dataset(DatasetSpec("ds", inp), out, url, model_dir=DEMO_MODEL, shard_size=shard, **kw)
+def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callable[[], bool] | None = None,
+        on_shard_committed: Callable[[ShardRecord], Any] | None = None,
+        progress: Callable[[ShardProgress], Any] | None = None, **settings: Any):
+    """``run_dataset`` of dataset "ds" with the demo model; ``settings`` are InferenceSettings fields."""
+    settings.setdefault("client", FAST_CLIENT)
+    settings.setdefault("sampling", {"max_new_tokens": 64})
+    settings.setdefault("concurrency", 32)
+    return run_dataset(DatasetSpec("ds", inp), out, Endpoint(url, "test-server", alive=server_alive),
+                       InferenceSettings(shard_size=shard, model_dir=DEMO_MODEL, **settings),
+                       on_shard_committed=on_shard_committed, progress=progress)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
-import tasks.config
-from tasks.config import ConfigError, list_partitions, load_partition, project_root
-from tasks.config._model import dataset_name_of
+from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
+from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
+from tasks.server import ServerConfig
+from tests.support.common import free_port
 
 ROOT = project_root()
 
@@ -20,13 +25,13 @@ def test_bundled_partitions_load_and_cover_every_sample() -> None:
     all_cfg = load_partition("all")
     assert set(all_cfg.datasets) == samples
     assert all(p.is_file() and p.is_absolute() for p in all_cfg.datasets.values())
-    assert all_cfg.versioned is True and all_cfg.server.backend == "sglang"
+    assert all_cfg.versioned is True and all_cfg.server.launch.backend == "sglang"
     for name in samples:
         cfg = load_partition(name)
         assert list(cfg.datasets) == [name]
         assert cfg.output_root == ROOT / "data" / "out" / name
     demo = load_partition("demo")
-    assert demo.server.backend == "emulator" and demo.sim_gpus is not None
+    assert demo.server.launch.backend == "emulator" and demo.sim_gpus is not None
     assert demo.sim_gpus.count == 8 and demo.versioned is False
     assert demo.model_path == str(ROOT / "data" / "models" / "demo")
 
@@ -100,17 +105,17 @@ def test_overrides(tmp_path: Path) -> None:
     cfg = load_partition("all")
     inp = tmp_path / "my_set.jsonl"
     inp.write_text("{}\n")
-    o = cfg.with_overrides(inputs=[str(inp)], out=str(tmp_path / "out"), backend="emulator", shard_size=7,
-                           concurrency=3, mem_fraction_static=0.8, reasoning_parser="deepseek-r1",
-                           server_url="http://127.0.0.1:9/")
+    o = cfg.with_overrides(Overrides(inputs=(str(inp),), out=str(tmp_path / "out"), backend="emulator",
+                                     shard_size=7, concurrency=3, mem_fraction_static=0.8,
+                                     reasoning_parser="deepseek-r1", server_url="http://127.0.0.1:9/"))
     assert dict(o.datasets) == {"my_set": inp}
     assert o.output_root == tmp_path / "out" and o.versioned is False
-    assert (o.server.backend, o.shard_size, o.concurrency) == ("emulator", 7, 3)
-    assert o.server.mem_fraction_static == 0.8 and o.reasoning_parser == "deepseek-r1"
+    assert (o.server.launch.backend, o.shard_size, o.concurrency) == ("emulator", 7, 3)
+    assert o.server.launch.mem_fraction_static == 0.8 and o.reasoning_parser == "deepseek-r1"
     assert o.server_url == "http://127.0.0.1:9"
     assert cfg.shard_size == 500  # the loaded config is not changed
     for kwargs, fragment in [
-        ({"inputs": [str(tmp_path / "missing.jsonl")]}, "--input .*missing.jsonl: no such file"),
+        ({"inputs": (str(tmp_path / "missing.jsonl"),)}, "--input .*missing.jsonl: no such file"),
         ({"backend": "trt"}, "override: backend: 'trt' is not one of"),
         ({"shard_size": -1}, "override: shard_size: -1 is not a positive integer"),
         ({"mem_fraction_static": 0.0}, "override: mem_fraction_static"),
@@ -118,7 +123,7 @@ def test_overrides(tmp_path: Path) -> None:
         ({"reasoning_parser": "bogus"}, "unknown reasoning parser 'bogus'"),
     ]:
         with pytest.raises(ConfigError, match=fragment):
-            cfg.with_overrides(**kwargs)
+            cfg.with_overrides(Overrides(**kwargs))
 
 
 def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,8 +138,9 @@ def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> N
 def test_max_relaunches_documented_as_one_budget_per_run() -> None:
     # The flow counts relaunches once per run, across datasets (tests/test_flow_recovery.py): the
     # docs and every bundled partition that sets the key must say so, not suggest a per-dataset count.
-    doc = " ".join((tasks.config.__doc__ or "").split())
-    assert "``run.max_relaunches`` is a budget per run, not per dataset" in doc
+    readme = (ROOT / "README.md").read_text()
+    doc = " ".join(readme[readme.index("## Configuration"):readme.index("## Architecture")].split())
+    assert "`run.max_relaunches` is a budget per run, not per dataset" in doc
     assert "all of the partition's datasets share it" in doc
     files = sorted((ROOT / "deployments").glob("*.toml"))
     with_key = [f for f in files if re.search(r"^max_relaunches\s*=", f.read_text(), re.M)]
@@ -150,3 +156,116 @@ def test_dataset_name_of_an_input_keeps_its_dots() -> None:
     assert dataset_name_of(Path("glaive.PARQUET")) == "glaive"
     assert dataset_name_of(Path("plain.ndjson")) == "plain"
     assert dataset_name_of(Path("notes.txt")) == "notes"
+
+
+def test_every_flow_parameter_is_an_override_and_every_override_a_flow_parameter() -> None:
+    from flows.datagen import datagen
+
+    params = [p for p in inspect.signature(datagen.fn).parameters if p != "partition"]
+    assert params == list(Overrides.names())
+    assert Overrides.from_mapping({"shard_size": 7, "inputs": ["a.jsonl"], "out": None, "other": 1}) == Overrides(
+        shard_size=7, inputs=("a.jsonl",))
+    assert Overrides(inputs=("a.jsonl",), backend="emulator").as_kwargs() == {"inputs": ["a.jsonl"],
+                                                                            "backend": "emulator"}
+
+
+def test_cli_options_are_the_overrides() -> None:
+    from datagen.cmd_run import build_parser, overrides_of
+
+    args = build_parser().parse_args(["--input", "x.jsonl", "--shard-size", "3", "--mem-fraction-static", "0.7",
+                                      "--reasoning-parser", "qwen3"])
+    assert overrides_of(args) == Overrides(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
+                                           reasoning_parser="qwen3")
+    dests = {a.dest for a in build_parser()._actions} - {"help", "partition"}
+    assert dests == set(Overrides.names())
+
+
+def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "alpha.parquet"
+    a.write_text("{}\n")
+    b.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"override: --input .*alpha\.parquet: a second input named 'alpha'"):
+        load_partition("all").with_overrides(Overrides(inputs=(str(a), str(b))))
+
+
+def test_unknown_server_key_names_the_file_and_the_key(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + "[server]\nmem_fraction_statc = 0.8\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.mem_fraction_statc: unknown key"):
+        load_partition(f)
+
+
+def test_server_keys_are_server_config_fields_and_the_partition_own() -> None:
+    launch = {f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+    own = {f.name for f in dataclasses.fields(ServerSettings)} - {"launch"}
+    assert SERVER_KEYS == launch | own
+    assert NOT_SERVER_KEYS <= {f.name for f in dataclasses.fields(ServerConfig)}
+
+
+def test_server_config_carries_every_server_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = _write(tmp_path, BASE + """[server]
+backend = "emulator"
+targets = ["local"]
+tp_size = 2
+host = "127.0.0.2"
+port = 31000
+mem_fraction_static = 0.77
+served_model_name = "served"
+context_length = 4096
+max_running_requests = 17
+chunked_prefill_size = 512
+trust_remote_code = true
+enable_hierarchical_cache = true
+hicache_size = 2.5
+hicache_ratio = 1.5
+speculative_algorithm = "EAGLE3"
+speculative_draft_model_path = "/models/draft"
+speculative_num_steps = 3
+speculative_eagle_topk = 1
+speculative_num_draft_tokens = 4
+gpus = [3, 1]
+extra_args = ["--emu-output-tokens", "9"]
+env = {FOO = "bar"}
+api_key_secret = "no-such-block"
+hub_token_secret = "no-such-block-either"
+launch_deadline_s = 60
+python = "/usr/bin/python3"
+""")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("DATAGEN_API_KEY", "sk-k")
+    monkeypatch.setenv("HF_TOKEN", "hf-t")
+    # No Prefect API answers here (a closed loopback port): the secret blocks fall back to the
+    # environment at once, without Prefect starting a temporary server for the lookup.
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        cfg = load_partition(f)
+        scfg = cfg.server_config(30123, "qwen3")
+    launch_keys = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
+    assert launch_keys == {f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
+    written = tomllib.loads(f.read_text())["server"]
+    assert set(written) == SERVER_KEYS, "the test must set every [server] key"
+    for name in launch_keys:
+        want = written[name]
+        want = tuple(want) if isinstance(want, list) else dict(want, HF_TOKEN="hf-t") if name == "env" else want
+        assert getattr(scfg, name) == want, name
+    assert (scfg.model_path, scfg.port, scfg.reasoning_parser, scfg.api_key) == (cfg.model_path, 30123, "qwen3", "sk-k")
+    assert (cfg.server.port, cfg.server.launch_deadline_s, cfg.server.targets) == (31000, 60.0, ("local",))
+    assert cfg.server_gpus() == [3, 1]
+
+
+def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + '[server]\nspeculative_num_steps = 3\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*speculative_algorithm"):
+        load_partition(f)
+
+
+def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> None:
+    cfg = load_partition("demo")
+    same = dataclasses.replace(cfg, reasoning_parser="deepseek-r1", server=dataclasses.replace(
+        cfg.server, port=31000, launch=dataclasses.replace(cfg.server.launch, mem_fraction_static=0.6)))
+    assert same.server_fingerprint() == cfg.server_fingerprint()
+    assert cfg.server_fingerprint().startswith("emulator:")
+    launch = dataclasses.replace(cfg.server.launch, tp_size=cfg.server.launch.tp_size + 1)
+    other = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, launch=launch))
+    assert other.server_fingerprint() != cfg.server_fingerprint()
+    shared = cfg.with_overrides(Overrides(server_url="http://127.0.0.1:9/"))
+    assert shared.server_fingerprint() == "external:http://127.0.0.1:9"

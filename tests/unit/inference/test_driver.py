@@ -10,7 +10,7 @@ import traceback
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.inference import ClientConfig, DatasetSpec, ServerGone, run_dataset, run_inputs
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ServerGone, run_dataset
 from tasks.prompts import ChatTemplate
 from tasks.shards import InputChanged, OutputDir
 from tests.support.common import free_port
@@ -120,17 +120,17 @@ def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
     assert_exactly_once(out, ids)
 
 
-def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
-    """`datagen run --input ... --server-url ...` entry: model dir from /model_info, forced split."""
+def test_prerendered_prompt_that_opens_think_is_split_as_forced(tmp_path, emulator):
+    """A pre-rendered prompt that already opened <think>: kept as is, its generation split as forced."""
     opened = "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
+    a = tmp_path / "alpha.jsonl"
     a.write_text(json.dumps({"id": "open", "prompt": opened}) + "\n" + json.dumps(
         {"id": "plain", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"}]}) + "\n")
-    write_input(b, 3)
     out = tmp_path / "out"
-    results = run_inputs([a, b], out, emulator.url, shard_size=2, sampling={"max_new_tokens": 200},
-                         client_config=FAST_CLIENT, run_info={"flow_run": "adhoc"})
-    assert [(r.dataset, r.rows_generated, r.complete) for r in results] == [("alpha", 2, True), ("beta", 3, True)]
+    settings = InferenceSettings(shard_size=2, sampling={"max_new_tokens": 200}, model_dir=DEMO_MODEL,
+                                 client=FAST_CLIENT, run_info={"flow_run": "adhoc"})
+    r = run_dataset(DatasetSpec("alpha", a), out, Endpoint(emulator.url, "test-server"), settings)
+    assert (r.dataset, r.rows_generated, r.complete) == ("alpha", 2, True)
     rows = {r["id"]: r for rec in OutputDir(out).committed_shards("alpha") for r in pq.read_table(rec.path).to_pylist()}
     row = rows["open"]
     assert row["prompt"] == opened and row["messages"] == [] and row["think_in_prompt"] is True
@@ -140,21 +140,20 @@ def test_run_inputs_prerendered_prompt_that_opens_think(tmp_path, emulator):
     plain = rows["plain"]
     assert plain["messages"] == [{"role": "user", "content": "hi"}] and plain["think_in_prompt"] is False
     assert plain["prompt"] == ChatTemplate.from_model_dir(DEMO_MODEL).render(plain["messages"])
-    assert sorted(committed_ids(out, "beta")) == ["q00000", "q00001", "q00002"]
-    with pytest.raises(ValueError, match="same dataset name"):
-        run_inputs([a, tmp_path / "alpha.parquet"], out, emulator.url)
+    assert {r["server"] for r in rows.values()} == {"test-server"}
 
 
 def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp_path):
     inp = tmp_path / "empty.jsonl"
     inp.write_text("")
     dead = "http://127.0.0.1:9"  # nothing listens: any request would fail
-    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", dead, model_dir=DEMO_MODEL, shard_size=4,
-                    concurrency=2, server_fingerprint="f", model_name="m", client_config=FAST_CLIENT)
+    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", Endpoint(dead, "f"),
+                    InferenceSettings(model_dir=DEMO_MODEL, shard_size=4, concurrency=2, model_name="m",
+                                      client=FAST_CLIENT))
     assert (r.complete, r.shards_total, r.requests) == (True, 0, 0)
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
-        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", dead, model_dir=DEMO_MODEL, shard_size=4,
-                    reasoning_parser="nope")
+        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", Endpoint(dead, "f"),
+                    InferenceSettings(model_dir=DEMO_MODEL, shard_size=4, reasoning_parser="nope"))
     assert not (tmp_path / "out2").exists()
 
 
@@ -183,7 +182,7 @@ def test_dead_server_process_raises_server_gone_at_once(tmp_path, sim_gpus, emul
     watcher = threading.Thread(target=lambda: (em.proc.wait(), crashed.append(time.monotonic())), daemon=True)
     watcher.start()
     with pytest.raises(ServerGone) as e:
-        run(inp, tmp_path / "out", em.url, shard=32, client_config=ClientConfig(),
+        run(inp, tmp_path / "out", em.url, shard=32, client=ClientConfig(),
             server_alive=lambda: em.proc.poll() is None)
     gone = time.monotonic()
     watcher.join(timeout=5)

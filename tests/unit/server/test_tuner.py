@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tasks.files import TMP_MARK
 from tasks.server import (
     Attempt,
     Failure,
@@ -83,7 +84,7 @@ def test_file_store_roundtrip_atomic_and_locked(tmp_path):
     assert (e.fraction, e.headroom_gib, e.runtime_oom_at) == (0.88, 5.47, None)
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["entries"]["k"]["fraction"] == 0.88
-    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".fractions-")] == []
+    assert [p.name for p in path.parent.iterdir() if TMP_MARK in p.name] == []
 
     # concurrent writers under the flock never lose an update
     def write(i):

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from datagen import cmd_validate
-from tasks.inference import DatasetSpec, run_dataset
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
 from tasks.schema import ROW_SCHEMA
 from tasks.validation import (
     BadOutput,
@@ -455,10 +455,11 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
     src = tmp_path / "in.jsonl"
     src.write_text("".join((ROOT / "data/samples/glaive_like.jsonl").read_text().splitlines(True)[:24]))
     common = dict(model_dir=str(ROOT / "data/models/demo"), shard_size=12, concurrency=12,
-                  sampling={"max_new_tokens": 256}, server_fingerprint="fp", model_name="demo")
+                  sampling={"max_new_tokens": 256}, model_name="demo")
+    endpoint = Endpoint(em.url, "fp")
     good = tmp_path / "good"
-    run_dataset(DatasetSpec("glaive", src), good, em.url, reasoning_parser="auto",
-                on_shard_committed=lambda rec: gate_shard(good, "glaive", rec.index), **common)
+    run_dataset(DatasetSpec("glaive", src), good, endpoint, InferenceSettings(reasoning_parser="auto", **common),
+                on_shard_committed=lambda rec: gate_shard(good, "glaive", rec.index))
     report = validate_output(good)
     assert report.verdict == "pass", report.summary()
     assert report.rows == 24
@@ -470,8 +471,8 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
         gate_shard(bad, "glaive", rec.index)
 
     with pytest.raises(ValidationFailed) as err:
-        run_dataset(DatasetSpec("glaive", src), bad, em.url, reasoning_parser=None, on_shard_committed=gate,
-                    **common)
+        run_dataset(DatasetSpec("glaive", src), bad, endpoint, InferenceSettings(reasoning_parser=None, **common),
+                    on_shard_committed=gate)
     assert committed == [0]
     assert err.value.message.startswith("<think> left in content of 100% of 12 rows of shard 0 of glaive")
     assert failing(err.value.report.checks) == ["tag_leak"]

@@ -1,0 +1,63 @@
+"""What ``run_dataset`` generates against (``Endpoint``) and how (``InferenceSettings``).
+
+Both are frozen values: the flow builds them once per server and per run, tests build them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.inference._client import ClientConfig
+from tasks.inference._records import DEFAULT_SAMPLING
+
+__all__ = ["AUTO", "Endpoint", "InferenceSettings"]
+
+AUTO = "auto"  # reasoning_parser: inferred from the model directory's config
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A server to generate against.
+
+    Args:
+        url: its base URL (``http://host:port``).
+        fingerprint: what its answers depend on; written to every row's ``server`` column, so it
+            must not change when the same server is relaunched at another port or fraction.
+        api_key: its ``--api-key`` (None: none).
+        alive: liveness of the server process, consulted on connection errors so that a dead
+            server raises ``ServerGone`` at once instead of after every retry (None: unknown).
+    """
+
+    url: str
+    fingerprint: str
+    api_key: str | None = field(default=None, repr=False)
+    alive: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """How one dataset is generated.
+
+    Args:
+        shard_size: records per shard (bound to the dataset in the manifest).
+        concurrency: requests in flight (None: twice the server's max_running_requests, else 128).
+        sampling: SGLang ``sampling_params``.
+        reasoning_parser: parser for the reasoning split; ``AUTO``: inferred from ``model_dir``;
+            None: no split.
+        model_dir: the model directory, for the chat template (None: pre-rendered prompts only).
+        model_name: the rows' ``model`` column (None: from the server's /server_info).
+        client: timeouts, retries and transport of the HTTP client.
+        run_info: extra fields of the output lock's body (flow_run, host).
+    """
+
+    shard_size: int
+    concurrency: int | None = None
+    sampling: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    reasoning_parser: str | None = AUTO
+    model_dir: str | Path | None = None
+    model_name: str | None = None
+    client: ClientConfig = field(default_factory=ClientConfig)
+    run_info: Mapping[str, Any] = field(default_factory=dict)

@@ -1,0 +1,72 @@
+"""The hang watchdog: kill a server that lives but answers nothing, so that it can be relaunched.
+
+SGLang can hang alive (``/health_generate`` answers 503 or times out) and would then hold every
+request until the client's hour-long timeout. While inference runs, the watchdog probes
+``/health_generate``; when that has failed for ``timeout_s`` while the process lives, it kills the
+server's process group. The client then raises ``ServerGone`` and the caller relaunches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tasks.server._launch import ServerHandle, stop_server
+
+__all__ = ["HangWatchdog"]
+
+
+class HangWatchdog:
+    """A daemon thread watching one server; ``stop()`` ends it (also usable as a context manager).
+
+    Args:
+        server: the server to watch.
+        timeout_s: how long /health_generate may fail while the process lives (0: not watched).
+        logger: where the kill is reported.
+    """
+
+    def __init__(self, server: ServerHandle, timeout_s: float,
+                 logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+        self.server, self.timeout_s, self.logger = server, timeout_s, logger
+        self._stop = threading.Event()
+        self.fired = False
+        self._thread = threading.Thread(target=self._loop, name="datagen-hang-watchdog", daemon=True)
+        if timeout_s > 0:
+            self._thread.start()
+
+    def __enter__(self) -> HangWatchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        interval = max(0.5, min(10.0, self.timeout_s / 4))
+        failing_since: float | None = None
+        while not self._stop.wait(interval):
+            try:
+                ok = httpx.get(f"{self.server.url}/health_generate", timeout=interval).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok or not self.server.is_alive():
+                failing_since = None  # a dead server is the client's to notice (connection refused)
+                continue
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= self.timeout_s:
+                self.logger.error("server %s alive but not answering /health_generate for %.0f s: "
+                                  "killing its process group %s to relaunch", self.server.url,
+                                  self.timeout_s, self.server.pgid)
+                self.fired = True
+                # Kill only (no hygiene here): the relaunch path diagnoses, stops and cleans.
+                stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
+                return
+
+    def stop(self) -> None:
+        """End the watch (waits for the thread, at most 15 s)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
