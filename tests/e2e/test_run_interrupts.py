@@ -81,12 +81,16 @@ def _flow_states(tmp: Path) -> list[str]:
         return [str(r[0]) for r in db.execute("select state_type from flow_run")]
 
 
+def _slow_run(tmp: Path, rows: int) -> tuple[dict[str, list[str]], dict[str, str], Path, list[str]]:
+    """A run of ``rows`` ids slow enough to be caught in inference: ids, environment, output, command."""
+    part, ids = partition(tmp, {"ds": rows}, FAST_EMU + SLOW_DECODE, shard=20, conc=8, max_relaunches=1)
+    out = tmp / "out"
+    return ids, _env(tmp), out, [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+
+
 def test_kill9_at_startup_launch_and_inference_never_blocks_the_next_run(
         tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = partition(tmp_path, {"ds": 120}, FAST_EMU + SLOW_DECODE, shard=20, conc=8, max_relaunches=1)
-    env = _env(tmp_path)
-    out = tmp_path / "out"
-    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    ids, env, out, cmd = _slow_run(tmp_path, 120)
     seen_runs: set[str] = set()
 
     def new_record(pred: Callable[[dict], bool]) -> Callable[[], bool]:
@@ -125,10 +129,7 @@ def test_kill9_at_startup_launch_and_inference_never_blocks_the_next_run(
 
 def test_ctrl_c_and_sigterm_end_the_run_in_seconds_and_the_next_run_completes(
         tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = partition(tmp_path, {"ds": 100}, FAST_EMU + SLOW_DECODE, shard=20, conc=8, max_relaunches=1)
-    env = _env(tmp_path)
-    out = tmp_path / "out"
-    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    ids, env, out, cmd = _slow_run(tmp_path, 100)
     for i, (sig, code, word) in enumerate([(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]):
         err_log = tmp_path / f"run-{i}.err"
         with open(tmp_path / f"run-{i}.log", "wb") as fh, open(err_log, "wb") as err:
