@@ -5,8 +5,9 @@ and SGLang stand-in included, found as its descendants just before the kill).
 
     python bench/kill_loop.py [--rounds 20] [--seed 1] [--rows 200] [--work-dir DIR] [--json PATH]
 
-The moment of each kill is uniform over 0 .. 1.2 x the duration of an uninterrupted run (measured
-first), so start-up, slot wait, launch, inference and commit are all hit. Prints one line per
+The moment of each kill is uniform over 0 .. the duration of an uninterrupted run (measured first),
+so start-up, slot wait, launch, inference and commit are all hit; a run that finishes before its
+kill is started again on a fresh output with half the delay. Prints one line per
 round and a summary (rounds, lost, duplicated, leftover processes, reruns that hung or failed).
 
 Exit codes: 0 every round passed; 1 a round lost or duplicated an id, a rerun failed or hung, or a
@@ -126,22 +127,29 @@ def one_round(k: int, work: Path, rng: random.Random, reference_s: float, rows: 
     env = _env(work)
     out = work / "out"
     cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
-    delay = rng.uniform(0.0, 1.2 * reference_s)
-    with open(work / "killed.log", "wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + delay
-    family: list[int] = [proc.pid]
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            family = sorted({*family, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))})
-        except psutil.NoSuchProcess:
+    family: list[int] = []
+    delay, phase, tries = rng.uniform(0.0, reference_s), "", 0
+    while True:  # a run that finished before its kill is no kill: again, with half the delay
+        tries += 1
+        with open(work / "killed.log", "wb") as fh:
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        t0 = time.monotonic()
+        family.append(proc.pid)
+        while time.monotonic() < t0 + delay and proc.poll() is None:
+            try:
+                family = sorted({*family, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))})
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        if proc.poll() is None:
+            phase = _phase(work, out)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
             break
-        time.sleep(0.05)
-    finished_first = proc.poll() is not None
-    phase = "finished before the kill" if finished_first else _phase(work, out)
-    if not finished_first:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
+        proc.wait()
+        shutil.rmtree(out, ignore_errors=True)  # start over: this round is about a killed run
+        delay /= 2
     code, took = _run(cmd, env, work / "rerun.log", 300)
     seen = _count(out)
     lost = len(set(ids) - set(seen))
@@ -154,7 +162,7 @@ def one_round(k: int, work: Path, rng: random.Random, reference_s: float, rows: 
         except psutil.NoSuchProcess:
             pass
     ok = code == 0 and lost == 0 and dup == 0 and not left
-    return {"round": k, "kill_at_s": round(delay, 2), "phase": phase, "rerun_exit": code, "rerun_s": round(took, 1),
+    return {"round": k, "kill_at_s": round(delay, 2), "tries": tries, "phase": phase, "rerun_exit": code, "rerun_s": round(took, 1),
             "lost": lost, "duplicated": dup, "leftover": len(left), "ok": ok}
 
 
