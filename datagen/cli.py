@@ -9,14 +9,25 @@ Exit codes (shared by every subcommand; `datagen COMMAND --help` says what its 1
      run failed)
   2  usage, configuration or connection error, an unusable input or output, or a locked output
      (the caller must change something first); also an unknown command
+  130 interrupted (Ctrl-C), 143 terminated (SIGTERM; not `emulator` and `gpu-sim`, which die of
+     it): what the command started is stopped first
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import threading
 
 from datagen import __version__
+
+STAND_INS = ("emulator", "gpu-sim")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("datagen.cmd_run", "run the pipeline now (partition config or ad-hoc --input)"),
@@ -47,7 +58,52 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A SIGINT or SIGTERM ends it with one line and 130 or 143 (what the command
+    started is stopped on the way out: it sees ``KeyboardInterrupt`` or a SIGTERM exception); a reader
+    that closed the pipe (``| head``) ends it quietly with 141."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv else ""
+    # The stand-ins for SGLang and a GPU job die of SIGTERM as the processes they imitate do.
+    previous = None
+    if name not in STAND_INS and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()
+        return code
+    except KeyboardInterrupt:
+        return _interrupted(name, "interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # Python would report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except BaseException as exc:
+        if getattr(exc, "signal", None) == signal.SIGTERM or isinstance(exc, _Terminated):
+            return _interrupted(name, "terminated", EXIT_TERMINATED)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM, so that ``finally`` blocks stop what the command started."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _interrupted(name: str, what: str, code: int) -> int:
+    print(f"datagen{' ' + name if name in COMMANDS else ''}: {what}", file=sys.stderr, flush=True)
+    # Everything the command started was stopped on the way here; exiting now skips atexit work
+    # (Prefect's queued logs for an API server that may be gone) that would otherwise retry for minutes.
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(code)
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0 if argv else 2

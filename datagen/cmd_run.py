@@ -4,14 +4,16 @@
                 [--backend sglang|emulator] [--server-url URL] [--shard-size N] [--concurrency N]
                 [--tp-size N] [--mem-fraction-static F] [--reasoning-parser NAME]
 
-Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else an
-ephemeral API. ``--input`` runs ad-hoc datasets with the partition's model and server settings:
+Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else starts
+its own API server for the run ($DATAGEN_API_START_TIMEOUT_S bounds its start, default 120 s). A
+GPU host another run holds is waited for at most $DATAGEN_SLOT_WAIT_S (default 300 s). ``--input``
+runs ad-hoc datasets with the partition's model and server settings:
 without ``--partition``, those of ``adhoc`` (one local GPU; ``--tp-size`` for more), else ``all``;
 ``--server-url`` uses a running server (no launch, no hygiene on it).
 
 Exit codes: 0 the run completed (validation passed); 1 the run failed (hygiene, launch, inference
-or validation; the message says which); 2 usage or configuration error (a missing input names its
-path), a target that cannot be reached, an output written from another input or shard size, or
+or validation; the message says which), or another run held the GPU host past the slot wait; 2
+usage or configuration error (a missing input names its path), a target that cannot be reached, an output written from another input or shard size, or
 the output is locked by another run (refused at once, naming the lock holder), as `datagen resplit`
 does, a committed shard whose file is missing or changed (`datagen repair OUT` un-commits it), or
 shard files that no manifest records and that are not this input's slices.
@@ -26,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from datagen._api_server import owned_api
 from datagen._cli import (
     EXIT_FAILED,
     EXIT_OK,
@@ -120,15 +123,16 @@ def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
         # Refuse before starting Prefect or touching a GPU: the other run owns this output.
         return exit_code_for(locked), locked
     setup_prefect_env()
-    # Imported after setup_prefect_env: Prefect reads its settings when imported.
-    from flows.datagen import datagen  # noqa: PLC0415
+    with owned_api():  # no Prefect server to use: this run's own, stopped when it ends
+        # Imported after setup_prefect_env and owned_api: Prefect reads its settings when imported.
+        from flows.datagen import datagen  # noqa: PLC0415
 
-    if cfg.server_url is None:
-        ensure_limits([limit_name(t) for t in cfg.targets])
-    state = datagen(partition=partition, **overrides.as_kwargs(), return_state=True)
-    if state.is_completed():
-        return EXIT_OK, state.result()
-    err = state.result(raise_on_failure=False)
+        if cfg.server_url is None:
+            ensure_limits([limit_name(t) for t in cfg.targets])
+        state = datagen(partition=partition, **overrides.as_kwargs(), return_state=True)
+        if state.is_completed():
+            return EXIT_OK, state.result()
+        err = state.result(raise_on_failure=False)
     if isinstance(err, BaseException):  # OutputLocked here: taken between the check and the flow
         return exit_code_for(err), err
     return EXIT_FAILED, state.message

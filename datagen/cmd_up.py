@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from datagen._api_server import LEASE_STORAGE
 from datagen._cli import EXIT_OK, EXIT_USAGE, exit_codes, parse_args, reports_errors
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
@@ -171,6 +172,7 @@ def up(args: argparse.Namespace) -> int:
         DATAGEN_HOME=str(root),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
+    env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASE_STORAGE)  # slot leases survive a restart
     if args.api_url:
         api_url = args.api_url.rstrip("/")
         _wait_healthy(api_url, None, None, 10.0)

@@ -21,7 +21,7 @@ from prefect.context import get_run_context
 
 from flows import runrecord
 from flows.context import RunContext
-from flows.gpulimit import gpu_slots, release_lease
+from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.hooks import cleanup_hook
 from flows.progress import Progress
 from flows.session import ServerSession
@@ -88,16 +88,15 @@ def datagen(
         try:
             if ctx.launches:
                 _reclaim_dead_runs(ctx)
-            with gpu_slots([ctx.target] if ctx.launches else [], on_lease=_record_lease(run_id)), \
+            with gpu_slots([ctx.target] if ctx.launches else [], on_lease=_record_lease(run_id),
+                           on_release=lambda: runrecord.update(run_id, lease_released=True),
+                           holders=lambda name: slot_holders(name, exclude=run_id)), \
                     ServerSession(ctx) as server:
                 health_check(ctx, server.endpoint)
                 for name, path in cfg.datasets.items():
                     server.run(partial(infer_dataset, ctx, DatasetSpec(name, path), progress=progress))
         finally:
             progress.close()
-            if runrecord.read(run_id or "").get("lease_released") is False:
-                # gpu_slots released it on the way out: the next run need not try (runrecord).
-                runrecord.update(run_id, lease_released=True)
         report = validate(ctx)
         latest = promote(ctx.plan)
     return {"partition": cfg.name, "out_dir": str(ctx.plan.out_dir), "latest": latest,

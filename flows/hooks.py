@@ -81,14 +81,15 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level = logger.info if verdict == "clean" else logger.error
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
-    lease = record.get("lease")
+    lease = None if record.get("lease_released") else record.get("lease")  # gpu_slots let it go on the way out
+    released = False
     if lease:
         released = release_lease(lease)
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
     _artifact(flow_run.id, "\n".join(lines), logger)
     # lease_released: the next run on this host need not try it again (runrecord.release_dead_leases).
-    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease else {}))
+    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease and released else {}))
 
 
 def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:

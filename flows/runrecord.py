@@ -28,6 +28,7 @@ __all__ = [
     "owner",
     "process_alive",
     "read",
+    "records",
     "release_dead_leases",
     "update",
     "update_server",
@@ -124,6 +125,11 @@ def _records() -> Iterator[tuple[str, dict[str, Any]]]:
             yield path.stem, data
 
 
+def records() -> list[tuple[str, dict[str, Any]]]:
+    """Every run record of this state directory: ``(flow_run_id, record)``."""
+    return list(_records())
+
+
 def dead_runs(exclude: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """Records of runs started on this machine whose flow process is dead (not ``exclude``)."""
     host = socket.gethostname()
@@ -139,8 +145,8 @@ def dead_runs(exclude: str | None = None) -> list[tuple[str, dict[str, Any]]]:
 
 def release_dead_leases(release: Callable[[str], bool], exclude: str | None = None) -> list[str]:
     """Release the ``gpu:<host>`` slot leases held by dead runs of this machine (see the module
-    docstring); each is marked ``lease_released`` so it is tried once. Returns the leases released
-    (an already-expired one is not listed). Never raises: a lease it cannot release expires anyway."""
+    docstring); each one ``release`` really released is marked ``lease_released``, so it is not
+    tried again. Returns the leases released. Never raises."""
     released = []
     for run_id, data in dead_runs(exclude):
         lease = data.get("lease")
@@ -150,8 +156,8 @@ def release_dead_leases(release: Callable[[str], bool], exclude: str | None = No
             ok = release(str(lease))
         except Exception:
             ok = False
-        update(run_id, lease_released=True)
         if ok:
+            update(run_id, lease_released=True)
             released.append(str(lease))
     return released
 

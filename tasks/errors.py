@@ -27,6 +27,8 @@ Each family lives with the code that raises it and keeps the built-in base its c
     ├── ThresholdError (ValueError)           no      tasks.validation
     ├── BadOutput                             no      tasks.validation
     ├── ValidationFailed                      no      tasks.validation
+    ├── SlotTimeout (RuntimeError)            no      flows.gpulimit (another run held the GPU host too long)
+    ├── ApiServerError (RuntimeError)         no      datagen._api_server
     └── UpError (RuntimeError)                no      datagen.cmd_up
 
 ``retryable`` answers one question: can running the same step again, unchanged, succeed? The flow's

@@ -12,13 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
-import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
@@ -26,78 +24,20 @@ from flows.gpulimit import LEASE_S
 from tests.support.common import pid_alive
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
+from tests.support.runs import assert_exactly_once, done_rows, partition, records
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
 DATAGEN = str(Path(sys.executable).parent / "datagen")
-FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.1",
-            "--emu-output-tokens", "24", "--emu-health-timeout", "1"]
-
-
-def _dataset(path: Path, name: str, n: int) -> list[str]:
-    ids = [f"{name}-{i:04d}" for i in range(n)]
-    path.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
-                            for i in ids))
-    return ids
-
-
-def _partition(tmp: Path, datasets: dict[str, int], extra: list[str], *, shard: int, conc: int,
-               max_relaunches: int, server: str = "") -> tuple[Path, dict[str, list[str]]]:
-    ids = {name: _dataset(tmp / f"{name}.jsonl", name, n) for name, n in datasets.items()}
-    lines = "\n".join(f'{name} = "{tmp / name}.jsonl"' for name in datasets)
-    part = tmp / "partition.toml"
-    part.write_text(f"""name = "recovery"
-[datasets]
-{lines}
-[model]
-path = "{ROOT}/data/models/demo"
-reasoning_parser = "qwen3"
-[server]
-backend = "emulator"
-targets = ["local"]
-tp_size = 1
-extra_args = {json.dumps(FAST_EMU + extra)}
-{server}
-[run]
-shard_size = {shard}
-concurrency = {conc}
-max_relaunches = {max_relaunches}
-hygiene_grace_s = 1
-hang_timeout_s = 5
-[sampling]
-max_new_tokens = 256
-[output]
-root = "{tmp / 'out'}"
-""")
-    return part, ids
-
-
 def _env(prefect_server: PrefectServer, tmp: Path, gpus: int = 2) -> dict[str, str]:
     SimGpus.init(tmp / "sim-gpus.json", count=gpus)
     return prefect_server.env(**{ENV_VAR: str(tmp / "sim-gpus.json"), "DATAGEN_STATE_DIR": str(tmp / "state"),
                                  "DATAGEN_RUN_DIR": str(tmp / "run")})
 
 
-def _records(tmp: Path) -> dict[str, dict]:
-    folder = tmp / "state" / "runs"
-    return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")} if folder.is_dir() else {}
-
-
-def _done_rows(out: Path) -> int:
-    n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
-    return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
-
-
-def _assert_exactly_once(out: Path, ids: dict[str, list[str]]) -> None:
-    for name, expected in ids.items():
-        seen = Counter(i for f in sorted((out / name).glob("shard-*.parquet"))
-                       for i in pq.read_table(f, columns=["id"]).column("id").to_pylist())
-        assert sorted(seen) == sorted(expected) and set(seen.values()) == {1}, name
-
-
 def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = _partition(tmp_path, {"ds": 96}, ["--emu-decode-ms-per-step", "30"], shard=16, conc=8,
+    part, ids = partition(tmp_path, {"ds": 96}, ["--emu-decode-ms-per-step", "30"], shard=16, conc=8,
                            max_relaunches=1)
     env = _env(prefect_server, tmp_path)
     out = tmp_path / "out"
@@ -106,11 +46,11 @@ def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
         first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     reap_pids.append(first.pid)
     deadline = time.monotonic() + 90
-    while _done_rows(out) < 20:  # mid-run: the slot is held, the server is generating
+    while done_rows(out) < 20:  # mid-run: the slot is held, the server is generating
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the first run generated nothing"
         time.sleep(0.05)
-    (run_id, record), = _records(tmp_path).items()
+    (run_id, record), = records(tmp_path).items()
     assert record["lease"] and record["owner"]["pid"] == first.pid  # on_lease reached the run record
     assert record["owner"]["started"] == pytest.approx(psutil.Process(first.pid).create_time())
     server_pid = record["servers"][0]["pid"]
@@ -123,7 +63,7 @@ def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
         second = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     reap_pids.append(second.pid)
     deadline = started + 120
-    while not [r for k, r in _records(tmp_path).items() if k != run_id and r.get("servers")]:
+    while not [r for k, r in records(tmp_path).items() if k != run_id and r.get("servers")]:
         assert second.poll() is None, (tmp_path / "second.log").read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -132,9 +72,9 @@ def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
     text = (tmp_path / "second.log").read_text()
     assert f"released gpu slot lease {record['lease']} of a dead run on this host" in text
     assert to_launch < LEASE_S / 2, f"rerun waited {to_launch:.1f} s for the slot"
-    assert _records(tmp_path)[run_id]["lease_released"] is True
+    assert records(tmp_path)[run_id]["lease_released"] is True
     assert not pid_alive(server_pid)
-    _assert_exactly_once(out, ids)
+    assert_exactly_once(out, ids)
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])
 
 
@@ -142,7 +82,7 @@ def test_max_relaunches_is_one_budget_for_the_whole_run(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
     # Every server dies after 35 requests; each 40-row dataset alone needs one relaunch, the two need
     # two. A budget of 1 per dataset would finish; per run, the second crash fails the run.
-    part, ids = _partition(tmp_path, {"a": 40, "b": 40}, ["--emu-decode-ms-per-step", "2", "--emu-crash-after", "35"],
+    part, ids = partition(tmp_path, {"a": 40, "b": 40}, ["--emu-decode-ms-per-step", "2", "--emu-crash-after", "35"],
                            shard=20, conc=4, max_relaunches=1)
     env = _env(prefect_server, tmp_path)
     out = tmp_path / "out"
@@ -152,7 +92,7 @@ def test_max_relaunches_is_one_budget_for_the_whole_run(
     assert proc.returncode == 1, text[-3000:]
     assert "hygiene-relaunch-1" in text and "hygiene-relaunch-2" not in text
     assert "ServerGone" in text and "its server process is dead" in text
-    (record,) = _records(tmp_path).values()
+    (record,) = records(tmp_path).values()
     assert len(record["servers"]) == 2
     assert all(not pid_alive(s["pid"]) for s in record["servers"])
     manifest = json.loads((out / "_manifest.json").read_text())
@@ -187,7 +127,7 @@ def test_hygiene_spares_a_job_on_a_gpu_the_partition_server_does_not_use(
         prefect_server: PrefectServer, tmp_path: Path, holders: list[subprocess.Popen[str]]) -> None:
     # A shared 4-GPU host: the partition's server runs on GPU 2 only; the same user's other job
     # holds GPU 0 (where a default tp_size=1 server would go) and a leftover holds GPU 2.
-    part, ids = _partition(tmp_path, {"ds": 24}, [], shard=12, conc=8, max_relaunches=0, server="gpus = [2]")
+    part, ids = partition(tmp_path, {"ds": 24}, [], shard=12, conc=8, max_relaunches=0, server="gpus = [2]")
     env = _env(prefect_server, tmp_path, gpus=4)
     other = _hold(env, 0, 30000, holders)
     leftover = _hold(env, 2, 30000, holders)
@@ -205,9 +145,9 @@ def test_hygiene_spares_a_job_on_a_gpu_the_partition_server_does_not_use(
     body = {"artifacts": {"key": {"like_": "hygiene-before-launch-%"}}, "sort": "CREATED_DESC", "limit": 1}
     (art,) = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json=body, timeout=30).json()
     assert f"spare pid {other.pid}" in art["data"] and "holds only unselected GPU(s) 0" in art["data"]
-    (record,) = _records(tmp_path).values()
+    (record,) = records(tmp_path).values()
     assert record["gpus"] == [2] and all(not pid_alive(s["pid"]) for s in record["servers"])
-    _assert_exactly_once(out, ids)
+    assert_exactly_once(out, ids)
     used = {g["index"]: g["used_mib"] for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"]}
     assert used == {0: 30000, 1: 0, 2: 0, 3: 0}
 
@@ -225,7 +165,7 @@ def _group(pgid: int) -> list[int]:
 
 def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = _partition(tmp_path, {"ds": 24}, ["--emu-load-time", "120"], shard=12, conc=8, max_relaunches=0)
+    part, ids = partition(tmp_path, {"ds": 24}, ["--emu-load-time", "120"], shard=12, conc=8, max_relaunches=0)
     env = _env(prefect_server, tmp_path)
     out = tmp_path / "out"
     cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
@@ -233,11 +173,11 @@ def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
         first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     reap_pids.append(first.pid)
     deadline = time.monotonic() + 90
-    while not [r for r in _records(tmp_path).values() if r.get("servers")]:  # recorded when it exists
+    while not [r for r in records(tmp_path).values() if r.get("servers")]:  # recorded when it exists
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no server recorded"
         time.sleep(0.05)
-    (run_id, record), = _records(tmp_path).items()
+    (run_id, record), = records(tmp_path).items()
     (entry,) = record["servers"]
     pgid = entry["pgid"]
     assert entry["state"] == "starting" and entry["pid"] == pgid
@@ -259,8 +199,8 @@ def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
     assert ended in text, text[-3000:]
     assert text.index(ended) < text.index("hygiene before-launch")
     assert _group(pgid) == [] and not [p for p in members if pid_alive(p)]
-    records = _records(tmp_path)
-    assert records[run_id]["servers"][0]["state"] == "ended"
-    assert all(not pid_alive(s["pid"]) and not _group(s["pgid"]) for r in records.values() for s in r["servers"])
-    _assert_exactly_once(out, ids)
+    recs = records(tmp_path)
+    assert recs[run_id]["servers"][0]["state"] == "ended"
+    assert all(not pid_alive(s["pid"]) and not _group(s["pgid"]) for r in recs.values() for s in r["servers"])
+    assert_exactly_once(out, ids)
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])

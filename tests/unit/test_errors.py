@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from datagen._api_server import ApiServerError
 from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
+from flows.gpulimit import SlotTimeout
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
@@ -45,6 +47,7 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
+    SlotTimeout, ApiServerError,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
@@ -55,7 +58,7 @@ USAGE: set[type[DatagenError]] = {
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
-    RequestRejected, PromptTooLong, ValidationFailed, UpError,
+    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError,
 }
 
 

@@ -1,0 +1,71 @@
+"""Runs of `datagen run` in tests: an emulator partition written to a temporary directory, the run
+records it leaves, rows done so far, and the exactly-once check of its Parquet output."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tests.support.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
+FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.1",
+            "--emu-output-tokens", "24", "--emu-health-timeout", "1"]
+
+
+def _dataset(path: Path, name: str, n: int) -> list[str]:
+    ids = [f"{name}-{i:04d}" for i in range(n)]
+    path.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
+                            for i in ids))
+    return ids
+
+
+def partition(tmp: Path, datasets: dict[str, int], extra: list[str], *, shard: int, conc: int,
+               max_relaunches: int, server: str = "") -> tuple[Path, dict[str, list[str]]]:
+    ids = {name: _dataset(tmp / f"{name}.jsonl", name, n) for name, n in datasets.items()}
+    lines = "\n".join(f'{name} = "{tmp / name}.jsonl"' for name in datasets)
+    part = tmp / "partition.toml"
+    part.write_text(f"""name = "recovery"
+[datasets]
+{lines}
+[model]
+path = "{ROOT}/data/models/demo"
+reasoning_parser = "qwen3"
+[server]
+backend = "emulator"
+targets = ["local"]
+tp_size = 1
+extra_args = {json.dumps(FAST_EMU + extra)}
+{server}
+[run]
+shard_size = {shard}
+concurrency = {conc}
+max_relaunches = {max_relaunches}
+hygiene_grace_s = 1
+hang_timeout_s = 5
+[sampling]
+max_new_tokens = 256
+[output]
+root = "{tmp / 'out'}"
+""")
+    return part, ids
+
+
+def records(tmp: Path) -> dict[str, dict]:
+    folder = tmp / "state" / "runs"
+    return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")} if folder.is_dir() else {}
+
+
+def done_rows(out: Path) -> int:
+    n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
+    return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
+
+
+def assert_exactly_once(out: Path, ids: dict[str, list[str]]) -> None:
+    for name, expected in ids.items():
+        seen = Counter(i for f in sorted((out / name).glob("shard-*.parquet"))
+                       for i in pq.read_table(f, columns=["id"]).column("id").to_pylist())
+        assert sorted(seen) == sorted(expected) and set(seen.values()) == {1}, name
