@@ -10,8 +10,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _assert_exactly_once, _env, _partition, _records
+from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
 from tests.support.prefect import PrefectServer
+from tests.support.runs import assert_exactly_once as _assert_exactly_once
+from tests.support.runs import partition as _partition
+from tests.support.runs import records as _records
 
 pytestmark = pytest.mark.slow
 
