@@ -2,9 +2,11 @@
 
 The state machine (``next_fraction``): a "too_high" failure lowers the fraction, "too_low" raises it,
 by ``step`` while only one side is known; once a too-low and a too-high value bracket the answer it
-bisects. Every value stays within ``bounds``; a value already tried, a bracket narrower than
-``min_gap``, or ``max_attempts`` ends the search with a message naming every attempt. Failures that
-no fraction fixes (port in use, bad flag, missing model, host memory, unknown, timeout) end it at once.
+bisects. A "too_low" failure whose log names the least fraction that fits ("Raise
+--mem-fraction-static above Y") moves to just above Y instead. Every value stays within ``bounds``; a
+value already tried, a bracket narrower than ``min_gap``, or ``max_attempts`` ends the search with a
+message naming every attempt. Failures that no fraction fixes (port in use, bad flag, missing model,
+host memory, KV pool exhausted, unknown, timeout) end it at once.
 
 Memory (``FractionMemory`` and its stores, in tasks.server._memory; importable from here) keeps per
 key (host + model + tp + GPU model + memory-relevant flags) the fraction that worked, its headroom and
@@ -146,6 +148,12 @@ def next_fraction(attempts: list[Attempt], policy: TuningPolicy, ceiling: float 
         candidate = current + step
         if too_high is not None:
             candidate = min(candidate, (current + too_high) / 2)
+    suggested = last.failure.suggested_fraction if last.failure.kind == "too_low" else None
+    if suggested is not None:
+        # SGLang computed the least fraction that fits: go just above it, not a guessed step.
+        if suggested >= hi_b:
+            return None
+        candidate = suggested + policy.min_gap
     candidate = round(min(max(candidate, lo_b), hi_b), 3)
     tried = {round(a.effective, 3) for a in attempts if a.effective is not None}
     if candidate in tried:

@@ -106,8 +106,6 @@ def test_failures_not_about_memory_never_move_the_fraction(path: Path) -> None:
     assert runtime_failure(text) is None  # a running server's log: no runtime OOM recorded
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 1: the tuner steps by its own increment and ignores the "
-                   "fraction SGLang says the model needs")
 def test_tuner_goes_above_the_fraction_sglang_suggests() -> None:
     failure = classify_failure("ValueError: Loaded weights leave no GPU memory for the KV cache under "
                                "--mem-fraction-static=0.8. Raise --mem-fraction-static above 0.912 "
@@ -115,6 +113,15 @@ def test_tuner_goes_above_the_fraction_sglang_suggests() -> None:
     assert failure.suggested_fraction == 0.912
     nxt = next_fraction([Attempt(0.8, 0.8, failure, None, 1.0)], TuningPolicy())
     assert nxt is not None and nxt > 0.912
+    assert nxt == 0.922
+
+
+def test_a_suggestion_above_the_tuner_bounds_ends_the_search() -> None:
+    failure = classify_failure("ValueError: Loaded weights leave no GPU memory for the KV cache under "
+                               "--mem-fraction-static=0.9. Raise --mem-fraction-static above 0.96", -9)
+    assert next_fraction([Attempt(0.9, 0.9, failure, None, 1.0)], TuningPolicy()) is None
+    clamped = next_fraction([Attempt(0.9, 0.9, failure, None, 1.0)], TuningPolicy(bounds=(0.5, 0.99)))
+    assert clamped == 0.97
 
 
 @pytest.mark.xfail(strict=True, reason="issue 13 item 2: a failed default launch reads the fraction from the "
