@@ -368,7 +368,7 @@ def _raise_timeout(handle: ServerHandle, deadline_s: float) -> None:
 
 def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None) -> None:
     raise LaunchFailed(failure, log_tail(text), exit_status=status, log_path=handle.log_path,
-                       command=handle.command, fraction=handle.fraction)
+                       command=handle.command, fraction=handle.fraction, effective=effective_fraction(text))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ launch; ``parse_progress`` folds SGLang's startup lines into a ``StartupProgress
 old and new forms of SGLang's log lines and never raise.
 
 Errors: ``LaunchFailed`` (a ServerError) carries the classified ``Failure``, the log tail, the exit
-status, the command and the log path of a launch that did not become ready.
+status, the command, the log path and the fraction SGLang said it used, of a launch that did not
+become ready.
 """
 
 from __future__ import annotations
@@ -250,7 +251,11 @@ def _later(current: str, new: str) -> str:
 
 
 class LaunchFailed(ServerError):
-    """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure)."""
+    """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure).
+
+    ``effective``: the --mem-fraction-static the server's whole log says it used (its server_args
+    line is near the top, long gone from ``log_tail``); None when the log does not say.
+    """
 
     # Kinds a relaunch with the same config cannot fix; every other kind (a memory fraction to move,
     # a taken port, a timeout) may succeed on the next attempt. Decided per instance, hence a
@@ -272,6 +277,7 @@ class LaunchFailed(ServerError):
         command: Sequence[str] = (),
         fraction: float | None = None,
         message: str | None = None,
+        effective: float | None = None,
     ) -> None:
         self.failure = failure
         self.log_tail = log_tail
@@ -280,6 +286,7 @@ class LaunchFailed(ServerError):
         self.log_path = log_path
         self.command = list(command)
         self.fraction = fraction
+        self.effective = effective
         super().__init__(message or self._render())
 
     def _render(self) -> str:
