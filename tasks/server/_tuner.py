@@ -264,7 +264,9 @@ def launch_tuned(
 def _give_up(attempts: list[Attempt], policy: TuningPolicy, last: LaunchFailed, key: str) -> LaunchFailed:
     tried = ", ".join(a.describe() for a in attempts)
     kind = last.failure.kind
-    if kind not in RETRYABLE:
+    if kind == "kv_pool_exhausted":
+        why = f"{kind} is not a memory-fraction failure the tuner searches: {last.failure.explanation}"
+    elif kind not in RETRYABLE:
         why = f"{kind} is not fixed by changing --mem-fraction-static: {last.failure.explanation}"
     elif attempts[-1].effective is None and attempts[-1].fraction is None:
         why = ("SGLang's log does not say which --mem-fraction-static it chose by default, so no step is "

@@ -95,6 +95,21 @@ def test_kv_pool_exhaustion_advice_never_lowers_the_fraction() -> None:
     assert "raise --mem-fraction-static" in advice and "never lower it" in advice
 
 
+def test_kv_pool_exhaustion_at_startup_stops_the_tuner_without_a_contradiction(tmp_path: Path) -> None:
+    failure = classify_failure("Prefill out of memory. Try to lower your batch size.", -9)
+    assert runtime_failure("Prefill out of memory. Try to lower your batch size.") is None
+
+    def launcher(cfg, target, fraction, log_dir, deadline_s):  # type: ignore[no-untyped-def]
+        raise LaunchFailed(failure, "", exit_status=-9, fraction=fraction)
+
+    with pytest.raises(LaunchFailed) as info:
+        launch_tuned(ServerConfig(model_path="/m", mem_fraction_static=0.8), "local", tmp_path,
+                     memory=FractionMemory(FileStore(tmp_path / "f.json")), gpu_name="gpu", hygiene=None,
+                     launcher=launcher)
+    assert [a.fraction for a in info.value.attempts] == [0.8]
+    assert "not fixed by changing" not in str(info.value) and "never lower it" in str(info.value)
+
+
 # --- what the tuner does with these kinds ------------------------------------------------------------
 
 
