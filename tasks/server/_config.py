@@ -226,9 +226,10 @@ BOOTSTRAP_ENV = "DATAGEN_SERVER_BOOTSTRAP"
 # With an API key the server runs as `python -c "<_STUB>" <module> <flags>`; the stub executes this
 # code from the environment (so `ps` shows a short line). The process forks: the child puts the key
 # in sys.argv in memory only and runs the module as `-m` would, with stdout/stderr into a pipe; the
-# parent (the session leader, which the launcher watches) copies the pipe to the log with the key
-# replaced by ***, ignores SIGTERM/SIGINT/SIGHUP (the group signal reaches the child directly), and
-# when the child ends, drains the pipe and ends the same way (same exit code, or the same signal).
+# parent (the session leader, which the launcher watches and signals first on a stop) copies the pipe
+# to the log with the key replaced by ***, forwards SIGTERM/SIGINT/SIGHUP to the child (the server's
+# own main process, which drains on SIGTERM), and when the child ends, drains the pipe and ends the
+# same way (same exit code, or death by the same signal; SIGKILL cannot be given a disposition).
 # Fd-level redaction is needed: SGLang logs server_args (api_key included) and writers may bypass
 # sys.stderr.
 _BOOTSTRAP = r"""import os, select, signal, sys
@@ -248,8 +249,13 @@ if pid == 0:
     runpy.run_module(mod, run_name="__main__", alter_sys=True)
     sys.exit(0)
 os.close(w)
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, signal.SIG_IGN)
+    signal.signal(s, forward)
 k = key.encode()
 buf = b""
 def out(data):
@@ -286,8 +292,10 @@ while open_:
     open_ = bool(got)
 out(buf)
 if status < 0:
-    signal.signal(-status, signal.SIG_DFL)
+    if -status not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-status, signal.SIG_DFL)
     os.kill(os.getpid(), -status)
+    os._exit(128 - status)
 os._exit(status)
 """
 _STUB = f"import os;exec(os.environ[{BOOTSTRAP_ENV!r}])"
