@@ -79,7 +79,7 @@ class ServerConfig:
     chunked_prefill_size: int | None = None
     trust_remote_code: bool = False
     enable_hierarchical_cache: bool = False
-    hicache_size: float | None = None
+    hicache_size: int | None = None  # GB of host memory per rank; SGLang parses it as an integer
     hicache_ratio: float | None = None
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -118,8 +118,13 @@ class ServerConfig:
                 raise bad(name, "must be a positive integer")
         if self.reasoning_parser is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.reasoning_parser):
             raise bad("reasoning_parser", "must be a parser name such as qwen3 or deepseek-r1")
-        if self.hicache_size is not None and self.hicache_size <= 0:
-            raise bad("hicache_size", "must be > 0 (GB per rank)")
+        size: object = self.hicache_size
+        if size is not None:
+            # A whole float (TOML 4.0) is that integer; 2.5 would make SGLang refuse the flag.
+            if isinstance(size, float) and size.is_integer():
+                object.__setattr__(self, "hicache_size", size := int(size))
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise bad("hicache_size", "must be a positive integer (GB per rank)")
         if self.hicache_ratio is not None and self.hicache_ratio <= 0:
             raise bad("hicache_ratio", "must be > 0")
         if (self.hicache_size is not None or self.hicache_ratio is not None) and not self.enable_hierarchical_cache:
@@ -196,7 +201,7 @@ def server_flags(cfg: ServerConfig, fraction: float | None) -> list[str]:
     if cfg.enable_hierarchical_cache:
         args.append("--enable-hierarchical-cache")
         if cfg.hicache_size is not None:
-            args += ["--hicache-size", f"{cfg.hicache_size:g}"]
+            args += ["--hicache-size", str(cfg.hicache_size)]
         if cfg.hicache_ratio is not None:
             args += ["--hicache-ratio", f"{cfg.hicache_ratio:g}"]
     if cfg.speculative_algorithm is not None:

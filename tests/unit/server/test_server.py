@@ -120,6 +120,8 @@ def test_gpus_select_cuda_visible_devices():
         ({"mem_fraction_static": 0.0}, "mem_fraction_static"),
         ({"hicache_size": 10}, "enable_hierarchical_cache"),
         ({"enable_hierarchical_cache": True, "hicache_size": -1}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_size": 2.5}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_size": "8"}, "hicache_size"),
         ({"speculative_num_steps": 3}, "speculative_algorithm"),
         ({"speculative_algorithm": "EAGLE3"}, "speculative_draft_model_path"),
         ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm"),
