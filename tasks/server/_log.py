@@ -193,11 +193,14 @@ class StartupProgress:
         return asdict(self)
 
 
-_RANK = re.compile(r"\bTP(\d+)\]")
+# The scheduler's log prefix names its rank: "TP3", or with other parallelism "DP0 PP1 TP3 EP3".
+_RANK = re.compile(r"\[[^\]]*?\b((?:(?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+ ?)+)\]")
 _P_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB, mem usage=([0-9.]+) GB")
 _P_KV = re.compile(r"KV Cache is allocated\..*?#tokens: (\d+)")
-_P_GRAPH_BEGIN = re.compile(r"Capture (?:target decode )?cuda graph begin", re.I)
-_P_GRAPH_END = re.compile(r"Capture (?:target decode )?cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
+# "Capture cuda graph", and the speculative forms: "target decode", "draft decode", "draft extend",
+# "<role> prefill", "Frozen-KV MTP draft". The last graph's avail mem is the lowest of the rank.
+_P_GRAPH_BEGIN = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph begin", re.I)
+_P_GRAPH_END = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
 _P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_gpu_mem=([0-9.]+) GB")
 _P_HTTP = re.compile(r"Uvicorn running on")
 _P_READY = re.compile(r"The server is fired up and ready to roll")
@@ -210,10 +213,10 @@ def parse_progress(text: str, progress: StartupProgress | None = None) -> Startu
     worst rank (lowest headroom, highest weights). Never raises.
     """
     p = progress or StartupProgress()
-    graph_end: dict[int, float] = {}
+    graph_end: dict[str, float] = {}
     for line in text.splitlines():
         rank_m = _RANK.search(line)
-        rank = int(rank_m.group(1)) if rank_m else 0
+        rank = rank_m.group(1).strip() if rank_m else ""
         if m := _P_WEIGHTS.search(line):
             avail, used = float(m.group(1)), float(m.group(2))
             p.weights_gib = max(p.weights_gib or 0.0, used)
