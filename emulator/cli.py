@@ -2,7 +2,7 @@
 
 Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (README, "The SGLang emulator and
 simulated GPUs"). Exit status as SGLang's: 2 usage error, 1 model dir missing or port taken, otherwise
-death by SIGKILL (-9) after a scheduler failure or SIGTERM; never 0 on its own.
+0 after a SIGTERM (requests drained, children ended), death by SIGKILL (-9) after a scheduler failure.
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class Main:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ dying like SGLang
-    def kill_tree(self) -> None:
-        """SIGKILL every descendant except an orphan-designated scheduler, then ourselves."""
+    def kill_tree(self, include_parent: bool = True) -> None:
+        """SIGKILL every descendant except an orphan-designated scheduler, then ourselves (unless not
+        ``include_parent``: then the caller exits)."""
         self.dying = True
         spared = {c.pid for c in self.children if c.orphan}
         try:
@@ -116,7 +117,9 @@ class Main:
                 p.send_signal(signal.SIGKILL)
             except psutil.Error:
                 pass
-        os.kill(os.getpid(), signal.SIGKILL)
+        if include_parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        psutil.wait_procs([p for p in procs if p.pid not in spared], timeout=5)
 
     def on_sigquit(self, signum: int, frame: object) -> None:
         log("Received sigquit from a child process. It usually means the child failed.")
@@ -131,16 +134,34 @@ class Main:
 
     state = None  # ServerState once serving
 
+    def _children_died(self) -> bool:
+        """Whether a scheduler or the detokenizer has ended (a zombie counts: we have not reaped it)."""
+        for c in self.children:
+            try:
+                if psutil.Process(c.pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+        return False
+
     async def _drain(self) -> None:
         st = self.state
         assert st is not None
         st.phase = "shutting_down"
+        # SGLang's SIGTERM watchdog looks a moment later; children that the same signal ended (a
+        # SIGTERM to the whole group) fail its health check, and it force-exits by SIGKILL.
+        await asyncio.sleep(0.3)
+        if self._children_died():
+            log("Signal SIGTERM received while health check failed. Force exiting.")
+            self.kill_tree()
         deadline = time.monotonic() + float(self.args.emu_drain_timeout)
         eng = st.engine
         while (eng.running or eng.waiting) and not eng.halted and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         log("Graceful shutdown completed. Killing the process tree.")
-        self.kill_tree()
+        # As SGLang after a drain: its children killed, the main process returns and exits 0.
+        self.kill_tree(include_parent=False)
+        os._exit(0)
 
     def crash_scheduler(self, exc_line: str) -> None:
         """Order rank 0 to raise ``exc_line``: it logs, SIGQUITs us, and we kill the tree."""

@@ -331,7 +331,8 @@ def build_app(st: ServerState) -> web.Application:
         })
 
     async def server_info(request: web.Request) -> web.Response:
-        info = {k: v for k, v in vars(st.args).items() if not k.startswith("emu_") and k != "api_key"}
+        # api_key included, in plain text, as SGLang reports it: datagen must never store this raw.
+        info = {k: v for k, v in vars(st.args).items() if not k.startswith("emu_")}
         info.update({
             "status": st.phase if st.phase != "ready" else "Up",
             "version": SGLANG_VERSION,

@@ -250,10 +250,13 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
     status = handle.exit_status()
     failure = classify_failure(text, status)
     logger.warning("server on %s gone (exit %s): %s: %s", ctx.host, status, failure.kind, failure.explanation)
-    if failure.kind == "too_high" and handle.fraction is not None:
+    if failure.kind == "too_high":
         port = urlsplit(handle.url).port or 30000
-        record_runtime_oom(ctx.cfg.server_config(port, ctx.parser), parse_target(ctx.target), handle.fraction)
-        logger.warning("recorded runtime OOM at fraction %s on %s: the relaunch starts lower", handle.fraction, ctx.host)
+        entry = record_runtime_oom(ctx.cfg.server_config(port, ctx.parser), parse_target(ctx.target),
+                                   handle.fraction, log_text=text)
+        if entry is not None:
+            logger.warning("recorded runtime OOM at fraction %s on %s: the relaunch starts lower",
+                           entry.runtime_oom_at, ctx.host)
     return str(failure.kind)
 
 

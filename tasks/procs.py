@@ -152,7 +152,7 @@ def _identities(pids: Iterable[int]) -> list[ProcessIdentity]:
 
 def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, kill_wait_s: float = 10.0,
                     with_pids: Iterable[int] = (), kill_pids: Iterable[int] = (),
-                    leader: subprocess.Popen[bytes] | None = None) -> GroupEnd:
+                    leader: subprocess.Popen[bytes] | None = None, leader_first_s: float = 0.0) -> GroupEnd:
     """End process group ``pgid``: ``first`` to the group, wait up to ``grace_s``, then SIGKILL.
 
     A pid is signalled only while it is the process it was when the call began (never a recycled
@@ -168,15 +168,26 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
         kill_pids: processes SIGKILLed with the group if it outlives ``grace_s``, but neither sent
             ``first`` nor waited on (members seen earlier that left the group are still the caller's).
         leader: the ``Popen`` of the group's leader, when this process started it.
+        leader_first_s: when > 0, ``first`` goes to the group's leader alone (pid ``pgid``) and the
+            group gets up to this much of ``grace_s`` to exit before ``first`` goes to every member.
+            A server whose main process drains on the signal and then ends its children exits
+            cleanly that way; children signalled together with it take their crash path.
 
     Raises nothing: a group that is gone or cannot be signalled counts as ended.
     """
     outside = _identities(with_pids)
-    seen = set(group_pids(pgid)) | {p.pid for p in outside} | set(kill_pids)
+    members = group_pids(pgid)
+    seen = set(members) | {p.pid for p in outside} | set(kill_pids)
     if not seen and (leader is None or leader.poll() is not None):
         return GroupEnd("gone", ())
+    deadline = time.monotonic() + grace_s
+    if leader_first_s > 0 and pgid in members:  # still alive and leading its group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pgid, first)
+        if _wait(pgid, min(leader_first_s, grace_s), seen, outside, leader):
+            return GroupEnd(signal.Signals(first).name, tuple(sorted(seen)))
     _signal(pgid, outside, first)
-    if _wait(pgid, grace_s, seen, outside, leader):
+    if _wait(pgid, max(deadline - time.monotonic(), 0.0), seen, outside, leader):
         return GroupEnd(signal.Signals(first).name, tuple(sorted(seen)))
     seen.update(group_pids(pgid))
     _signal(pgid, _identities(seen), signal.SIGKILL)

@@ -161,6 +161,10 @@ def server_error_message(body: bytes) -> str:
     return str(data)[:2000]
 
 
+# Launch arguments that hold credentials (api_key, admin_api_key, ssl_keyfile_password, ...).
+_SECRET_FIELD = re.compile(r"api_key|password|secret|(^|_)token$", re.I)
+
+
 def default_concurrency(server_info: dict[str, Any] | None) -> int:
     """In-flight requests that keep the server's batch full: 2x max_running_requests, else 128.
 
@@ -296,8 +300,10 @@ class GenerateClient:
         return data if isinstance(data, dict) else None
 
     async def server_info(self) -> dict[str, Any] | None:
-        """``/server_info`` (or the older ``/get_server_info``), None when neither answers."""
-        return await self.get_json("/server_info") or await self.get_json("/get_server_info")
+        """``/server_info`` (or the older ``/get_server_info``) without its secrets, None when neither
+        answers. SGLang reports its launch arguments there, the API key in plain text among them."""
+        info = await self.get_json("/server_info") or await self.get_json("/get_server_info")
+        return None if info is None else {k: v for k, v in info.items() if not _SECRET_FIELD.search(k)}
 
     async def _process_dead(self) -> bool:
         """True when ``server_alive`` says the server process is dead; False when alive, unknown

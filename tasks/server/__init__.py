@@ -50,7 +50,6 @@ from tasks.server._memory import (
     state_dir,
 )
 from tasks.server._tuner import (
-    DEFAULT_FRACTION,
     Attempt,
     LaunchReport,
     TuningPolicy,
@@ -65,7 +64,6 @@ __all__ = [
     "API_KEY_ENV",
     "Attempt",
     "BOOTSTRAP_ENV",
-    "DEFAULT_FRACTION",
     "Failure",
     "FailureKind",
     "FileStore",

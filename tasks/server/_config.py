@@ -83,7 +83,7 @@ class ServerConfig:
     chunked_prefill_size: int | None = None
     trust_remote_code: bool = False
     enable_hierarchical_cache: bool = False
-    hicache_size: float | None = None
+    hicache_size: int | None = None  # GB of host memory per rank; SGLang parses it as an integer
     hicache_ratio: float | None = None
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -122,8 +122,13 @@ class ServerConfig:
                 raise bad(name, "must be a positive integer")
         if self.reasoning_parser is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.reasoning_parser):
             raise bad("reasoning_parser", "must be a parser name such as qwen3 or deepseek-r1")
-        if self.hicache_size is not None and self.hicache_size <= 0:
-            raise bad("hicache_size", "must be > 0 (GB per rank)")
+        size: object = self.hicache_size
+        if size is not None:
+            # A whole float (TOML 4.0) is that integer; 2.5 would make SGLang refuse the flag.
+            if isinstance(size, float) and size.is_integer():
+                object.__setattr__(self, "hicache_size", size := int(size))
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise bad("hicache_size", "must be a positive integer (GB per rank)")
         if self.hicache_ratio is not None and self.hicache_ratio <= 0:
             raise bad("hicache_ratio", "must be > 0")
         if (self.hicache_size is not None or self.hicache_ratio is not None) and not self.enable_hierarchical_cache:
@@ -200,7 +205,7 @@ def server_flags(cfg: ServerConfig, fraction: float | None) -> list[str]:
     if cfg.enable_hierarchical_cache:
         args.append("--enable-hierarchical-cache")
         if cfg.hicache_size is not None:
-            args += ["--hicache-size", f"{cfg.hicache_size:g}"]
+            args += ["--hicache-size", str(cfg.hicache_size)]
         if cfg.hicache_ratio is not None:
             args += ["--hicache-ratio", f"{cfg.hicache_ratio:g}"]
     if cfg.speculative_algorithm is not None:
@@ -230,9 +235,10 @@ BOOTSTRAP_ENV = "DATAGEN_SERVER_BOOTSTRAP"
 # With an API key the server runs as `python -c "<_STUB>" <module> <flags>`; the stub executes this
 # code from the environment (so `ps` shows a short line). The process forks: the child puts the key
 # in sys.argv in memory only and runs the module as `-m` would, with stdout/stderr into a pipe; the
-# parent (the session leader, which the launcher watches) copies the pipe to the log with the key
-# replaced by ***, ignores SIGTERM/SIGINT/SIGHUP (the group signal reaches the child directly), and
-# when the child ends, drains the pipe and ends the same way (same exit code, or the same signal).
+# parent (the session leader, which the launcher watches and signals first on a stop) copies the pipe
+# to the log with the key replaced by ***, forwards SIGTERM/SIGINT/SIGHUP to the child (the server's
+# own main process, which drains on SIGTERM), and when the child ends, drains the pipe and ends the
+# same way (same exit code, or death by the same signal; SIGKILL cannot be given a disposition).
 # Fd-level redaction is needed: SGLang logs server_args (api_key included) and writers may bypass
 # sys.stderr.
 _BOOTSTRAP = r"""import os, select, signal, sys
@@ -252,8 +258,13 @@ if pid == 0:
     runpy.run_module(mod, run_name="__main__", alter_sys=True)
     sys.exit(0)
 os.close(w)
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, signal.SIG_IGN)
+    signal.signal(s, forward)
 k = key.encode()
 buf = b""
 def out(data):
@@ -290,8 +301,10 @@ while open_:
     open_ = bool(got)
 out(buf)
 if status < 0:
-    signal.signal(-status, signal.SIG_DFL)
+    if -status not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-status, signal.SIG_DFL)
     os.kill(os.getpid(), -status)
+    os._exit(128 - status)
 os._exit(status)
 """
 _STUB = f"import os;exec(os.environ[{BOOTSTRAP_ENV!r}])"

@@ -1,7 +1,7 @@
 """SGLang server lifecycle: launch in its own session, readiness, and a clean stop.
 
-Readiness is ``/health_generate`` answering 200 while the launched process lives; a stop is one
-process-group termination followed by GPU hygiene. Why: README Decisions (Server launch, API key).
+Readiness is ``/health_generate`` answering 200 while the launched process lives; a stop is a
+SIGTERM to the main process, then to its process group, then SIGKILL, followed by GPU hygiene. Why: README Decisions (Server launch, API key).
 
 Errors::
 
@@ -368,20 +368,28 @@ def _raise_timeout(handle: ServerHandle, deadline_s: float) -> None:
 
 def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None) -> None:
     raise LaunchFailed(failure, log_tail(text), exit_status=status, log_path=handle.log_path,
-                       command=handle.command, fraction=handle.fraction)
+                       command=handle.command, fraction=handle.fraction, effective=effective_fraction(text))
 
 
 # --------------------------------------------------------------------------------------------------
 # Process groups
 
 
+# SGLang drains and ends its children when its main process gets SIGTERM (about 1 s idle); a
+# SIGTERM to the whole group reaches the children too, which take their crash path, and the server
+# dies by SIGKILL seconds later without draining. So the leader is asked first, for at most this.
+LEADER_FIRST_S = 10.0
+
+
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
-    """SIGTERM the group, wait up to ``grace_s``, SIGKILL survivors. Returns every pid seen."""
+    """SIGTERM the leader, then the group, within ``grace_s``; SIGKILL survivors. Returns every pid seen."""
+    leader_first_s = min(grace_s / 2, LEADER_FIRST_S)
     if handle.is_remote:
-        server_remote.kill_group(handle.target, handle.pgid, grace_s)
+        server_remote.kill_group(handle.target, handle.pgid, grace_s, leader_first_s)
         return list(handle.member_pids)
     # Members that left the group (setsid) are still ours: they were seen in it.
-    end = terminate_group(handle.pgid, grace_s, kill_pids=handle.member_pids, leader=handle._popen)
+    end = terminate_group(handle.pgid, grace_s, kill_pids=handle.member_pids, leader=handle._popen,
+                          leader_first_s=leader_first_s)
     return list(end.seen)
 
 
@@ -404,8 +412,9 @@ def stop_server(
     hygiene: HygieneFn | None = _default_hygiene,
     verify: bool = True,
 ) -> Any:
-    """Stop a server datagen started: SIGTERM its group, wait ``grace_s``, SIGKILL the group, then
-    run hygiene on its GPUs with its pids as ``extra_pids`` (orphans that left the group included).
+    """Stop a server datagen started: SIGTERM its main process (it drains and ends its children),
+    then its group, within ``grace_s``; SIGKILL the group, then run hygiene on its GPUs with its
+    pids as ``extra_pids`` (orphans that left the group included).
 
     Idempotent. Returns the hygiene report (None when ``hygiene`` is None). Raises StopFailed when
     ``verify`` and the report's verdict is not "clean".

@@ -5,7 +5,8 @@ launch; ``parse_progress`` folds SGLang's startup lines into a ``StartupProgress
 old and new forms of SGLang's log lines and never raise.
 
 Errors: ``LaunchFailed`` (a ServerError) carries the classified ``Failure``, the log tail, the exit
-status, the command and the log path of a launch that did not become ready.
+status, the command, the log path and the fraction SGLang said it used, of a launch that did not
+become ready.
 """
 
 from __future__ import annotations
@@ -192,11 +193,14 @@ class StartupProgress:
         return asdict(self)
 
 
-_RANK = re.compile(r"\bTP(\d+)\]")
+# The scheduler's log prefix names its rank: "TP3", or with other parallelism "DP0 PP1 TP3 EP3".
+_RANK = re.compile(r"\[[^\]]*?\b((?:(?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+ ?)+)\]")
 _P_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB, mem usage=([0-9.]+) GB")
 _P_KV = re.compile(r"KV Cache is allocated\..*?#tokens: (\d+)")
-_P_GRAPH_BEGIN = re.compile(r"Capture (?:target decode )?cuda graph begin", re.I)
-_P_GRAPH_END = re.compile(r"Capture (?:target decode )?cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
+# "Capture cuda graph", and the speculative forms: "target decode", "draft decode", "draft extend",
+# "<role> prefill", "Frozen-KV MTP draft". The last graph's avail mem is the lowest of the rank.
+_P_GRAPH_BEGIN = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph begin", re.I)
+_P_GRAPH_END = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
 _P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_gpu_mem=([0-9.]+) GB")
 _P_HTTP = re.compile(r"Uvicorn running on")
 _P_READY = re.compile(r"The server is fired up and ready to roll")
@@ -209,10 +213,10 @@ def parse_progress(text: str, progress: StartupProgress | None = None) -> Startu
     worst rank (lowest headroom, highest weights). Never raises.
     """
     p = progress or StartupProgress()
-    graph_end: dict[int, float] = {}
+    graph_end: dict[str, float] = {}
     for line in text.splitlines():
         rank_m = _RANK.search(line)
-        rank = int(rank_m.group(1)) if rank_m else 0
+        rank = rank_m.group(1).strip() if rank_m else ""
         if m := _P_WEIGHTS.search(line):
             avail, used = float(m.group(1)), float(m.group(2))
             p.weights_gib = max(p.weights_gib or 0.0, used)
@@ -250,7 +254,11 @@ def _later(current: str, new: str) -> str:
 
 
 class LaunchFailed(ServerError):
-    """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure)."""
+    """A launch did not become ready. ``failure.kind`` says which way to move (see classify_failure).
+
+    ``effective``: the --mem-fraction-static the server's whole log says it used (its server_args
+    line is near the top, long gone from ``log_tail``); None when the log does not say.
+    """
 
     # Kinds a relaunch with the same config cannot fix; every other kind (a memory fraction to move,
     # a taken port, a timeout) may succeed on the next attempt. Decided per instance, hence a
@@ -272,6 +280,7 @@ class LaunchFailed(ServerError):
         command: Sequence[str] = (),
         fraction: float | None = None,
         message: str | None = None,
+        effective: float | None = None,
     ) -> None:
         self.failure = failure
         self.log_tail = log_tail
@@ -280,6 +289,7 @@ class LaunchFailed(ServerError):
         self.log_path = log_path
         self.command = list(command)
         self.fraction = fraction
+        self.effective = effective
         super().__init__(message or self._render())
 
     def _render(self) -> str:

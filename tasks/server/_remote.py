@@ -108,18 +108,34 @@ def is_alive(target: str | Target, pid: int) -> bool:
     return not stat.startswith("Z")
 
 
-def kill_group(target: str | Target, pgid: int, grace_s: float) -> None:
-    """SIGTERM process group ``pgid`` on ``target``, poll until empty for ``grace_s``, then SIGKILL."""
+def kill_group(target: str | Target, pgid: int, grace_s: float, leader_first_s: float = 0.0) -> None:
+    """SIGTERM process group ``pgid`` on ``target``, poll until empty for ``grace_s``, then SIGKILL.
+
+    With ``leader_first_s`` > 0 the leader alone gets the SIGTERM first and the group up to that
+    much of ``grace_s`` to exit (as tasks.procs.terminate_group does locally).
+    """
     t = parse_target(target)
-    run_command(t, ["kill", "-TERM", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
     deadline = time.monotonic() + grace_s
-    delay = 0.1
-    while time.monotonic() < deadline:
-        if not run_command(t, ["pgrep", "-g", str(pgid)], timeout_s=_CMD_TIMEOUT_S).stdout.strip():
+    if leader_first_s > 0:
+        run_command(t, ["kill", "-TERM", "--", str(pgid)], timeout_s=_CMD_TIMEOUT_S)
+        if _group_gone(t, pgid, min(time.monotonic() + leader_first_s, deadline)):
             return
-        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+    run_command(t, ["kill", "-TERM", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
+    if not _group_gone(t, pgid, deadline):
+        run_command(t, ["kill", "-KILL", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
+
+
+def _group_gone(t: Target, pgid: int, deadline: float) -> bool:
+    """Poll ``pgrep -g`` until the group is empty (True) or ``deadline`` (monotonic) passes."""
+    delay = 0.1
+    while True:
+        if not run_command(t, ["pgrep", "-g", str(pgid)], timeout_s=_CMD_TIMEOUT_S).stdout.strip():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay, left))
         delay = min(delay * 2, 1.0)
-    run_command(t, ["kill", "-KILL", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
 
 
 def open_tunnel(target: Target, host: str, port: int) -> Tunnel:

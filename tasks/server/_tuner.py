@@ -2,9 +2,11 @@
 
 The state machine (``next_fraction``): a "too_high" failure lowers the fraction, "too_low" raises it,
 by ``step`` while only one side is known; once a too-low and a too-high value bracket the answer it
-bisects. Every value stays within ``bounds``; a value already tried, a bracket narrower than
-``min_gap``, or ``max_attempts`` ends the search with a message naming every attempt. Failures that
-no fraction fixes (port in use, bad flag, missing model, host memory, unknown, timeout) end it at once.
+bisects. A "too_low" failure whose log names the least fraction that fits ("Raise
+--mem-fraction-static above Y") moves to just above Y instead. Every value stays within ``bounds``; a
+value already tried, a bracket narrower than ``min_gap``, or ``max_attempts`` ends the search with a
+message naming every attempt. Failures that no fraction fixes (port in use, bad flag, missing model,
+host memory, KV pool exhausted, unknown, timeout) end it at once.
 
 Memory (``FractionMemory`` and its stores, in tasks.server._memory; importable from here) keeps per
 key (host + model + tp + GPU model + memory-relevant flags) the fraction that worked, its headroom and
@@ -49,7 +51,6 @@ from tasks.server._memory import (
 )
 
 __all__ = [
-    "DEFAULT_FRACTION",
     "Attempt",
     "FileStore",
     "Failure",
@@ -73,7 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FRACTION = 0.88  # SGLang's default when it cannot compute one from the GPU
 RETRYABLE = frozenset({"too_high", "too_low"})
 
 
@@ -120,10 +120,15 @@ class Attempt:
 def next_fraction(attempts: list[Attempt], policy: TuningPolicy, ceiling: float | None = None) -> float | None:
     """The fraction to try after ``attempts`` (the last one failed), or None when the search is over.
 
-    ``ceiling``: a fraction known to OOM at run time; the search stays below it.
+    ``ceiling``: a fraction known to OOM at run time; the search stays below it. A failed attempt
+    whose fraction is unknown (SGLang's default, not found in its log) gives no direction to step
+    from, unless SGLang named the fraction that fits.
     """
     last = attempts[-1]
     if last.failure is None or last.failure.kind not in RETRYABLE:
+        return None
+    suggested = last.failure.suggested_fraction if last.failure.kind == "too_low" else None
+    if last.effective is None and suggested is None:
         return None
     lo_b, hi_b = policy.bounds
     highs = [a.effective for a in attempts if a.failure and a.failure.kind == "too_high" and a.effective]
@@ -132,7 +137,8 @@ def next_fraction(attempts: list[Attempt], policy: TuningPolicy, ceiling: float 
         highs.append(ceiling)
     too_high = min(highs) if highs else None
     too_low = max(lows) if lows else None
-    current = last.effective if last.effective is not None else DEFAULT_FRACTION
+    current = last.effective if last.effective is not None else suggested
+    assert current is not None
     same_dir = sum(1 for a in attempts if a.failure and a.failure.kind == last.failure.kind)
     # First move a full step; further moves the same way shrink (0.05, 0.035, 0.025, ...).
     step = max(policy.min_step, policy.step * (0.7 ** (same_dir - 1)))
@@ -146,6 +152,11 @@ def next_fraction(attempts: list[Attempt], policy: TuningPolicy, ceiling: float 
         candidate = current + step
         if too_high is not None:
             candidate = min(candidate, (current + too_high) / 2)
+    if suggested is not None:
+        # SGLang computed the least fraction that fits: go just above it, not a guessed step.
+        if suggested >= hi_b:
+            return None
+        candidate = suggested + policy.min_gap
     candidate = round(min(max(candidate, lo_b), hi_b), 3)
     tried = {round(a.effective, 3) for a in attempts if a.effective is not None}
     if candidate in tried:
@@ -230,7 +241,8 @@ def launch_tuned(
             extra = {} if on_started is None else {"on_started": on_started}
             handle = launcher(cfg, target, fraction, log_dir, deadline_s, **extra)
         except LaunchFailed as exc:
-            eff = fraction if fraction is not None else (effective_fraction(exc.log_tail) or DEFAULT_FRACTION)
+            # SGLang's own default differs by version and GPU: only its log says what it was.
+            eff = fraction if fraction is not None else (exc.effective or effective_fraction(exc.log_tail))
             attempts.append(Attempt(fraction, eff, exc.failure, exc.log_path, time.monotonic() - t0,
                                     exc.exit_status))
             log.warning("launch attempt %d failed: %s", len(attempts), attempts[-1].describe())
@@ -252,8 +264,13 @@ def launch_tuned(
 def _give_up(attempts: list[Attempt], policy: TuningPolicy, last: LaunchFailed, key: str) -> LaunchFailed:
     tried = ", ".join(a.describe() for a in attempts)
     kind = last.failure.kind
-    if kind not in RETRYABLE:
+    if kind == "kv_pool_exhausted":
+        why = f"{kind} is not a memory-fraction failure the tuner searches: {last.failure.explanation}"
+    elif kind not in RETRYABLE:
         why = f"{kind} is not fixed by changing --mem-fraction-static: {last.failure.explanation}"
+    elif attempts[-1].effective is None and attempts[-1].fraction is None:
+        why = ("SGLang's log does not say which --mem-fraction-static it chose by default, so no step is "
+               "known to go the right way: set [server] mem_fraction_static")
     elif len(attempts) >= policy.max_attempts:
         why = f"no fraction worked within {policy.max_attempts} attempts"
     else:
@@ -263,22 +280,37 @@ def _give_up(attempts: list[Attempt], policy: TuningPolicy, last: LaunchFailed, 
     msg = (f"gave up launching the server after {len(attempts)} attempt(s) [{tried}]: {why}\n"
            f"  key: {key}\n  last failure: {last}")
     return LaunchFailed(last.failure, last.log_tail, attempts, exit_status=last.exit_status,
-                        log_path=last.log_path, command=last.command, fraction=last.fraction, message=msg)
+                        log_path=last.log_path, command=last.command, fraction=last.fraction, message=msg,
+                        effective=last.effective)
 
 
 def record_runtime_oom(
     cfg: ServerConfig,
     target: Any,
-    fraction: float,
+    fraction: float | None,
     *,
+    log_text: str = "",
     memory: FractionMemory | None = None,
     gpu_name: str | None = None,
     policy: TuningPolicy | None = None,
-) -> MemoryEntry:
+) -> MemoryEntry | None:
     """A server launched at ``fraction`` OOMed during inference: count it as too high for next time.
 
     The next ``launch_tuned`` for the same key starts a step lower and never goes back up to it.
+
+    Args:
+        fraction: the fraction the server was launched at; None for SGLang's default, which is then
+            read from ``log_text``.
+        log_text: the server's log (only read when ``fraction`` is None).
+
+    Returns the updated entry, or None (with a warning, nothing recorded) when the fraction is
+    unknown.
     """
+    if fraction is None:
+        fraction = effective_fraction(log_text)
+        if fraction is None:
+            log.warning("runtime OOM at SGLang's default fraction, which its log does not name: not recorded")
+            return None
     policy = policy or TuningPolicy()
     memory = memory or FractionMemory.default()
     key = memory_key(cfg, target, gpu_name or gpu_model_name(target, cfg.gpu_indexes()))

@@ -131,7 +131,7 @@ def test_tp2_titles_gpu_mapping_and_sigterm(emulator_factory, sim_gpus: SimGpus)
     assert [p["pid"] for p in snap[6]["processes"]] == [by_title["sglang::scheduler_TP1"]]
     assert snap[4]["used_mib"] == 0
     os.kill(em.pid, signal.SIGTERM)
-    assert em.wait_exit(10) == -9
+    assert em.wait_exit(10) == 0  # as SGLang: drained, children ended, a clean exit
     assert "SIGTERM received." in em.log_text() and "Draining requests and shutting down..." in em.log_text()
     psutil.wait_procs(kids, timeout=5)
     assert not any(pid_alive(k.pid) for k in kids)

@@ -132,3 +132,45 @@ def test_a_zombie_counts_as_dead() -> None:
         assert terminate_group(child.pid, 1.0).ended_by == "gone"
     finally:
         child.wait()
+
+
+# A leader that, on SIGTERM, ends its child and exits 0 (a server draining); the child notes a SIGTERM.
+_DRAINER = r"""
+import os, signal, sys, time
+mark = sys.argv[1]
+pid = os.fork()
+if pid == 0:
+    def crash(n, f):
+        open(mark, "w").write("child got SIGTERM")
+        os._exit(1)
+    signal.signal(signal.SIGTERM, crash)
+    os.write(1, b"%d\n" % os.getpid())
+    while True:
+        time.sleep(1)
+def drain(n, f):
+    time.sleep(0.3)  # draining: a child signalled with the group has long taken its SIGTERM path
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os._exit(0)
+signal.signal(signal.SIGTERM, drain)
+os.write(1, b"%d\n" % os.getpid())
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("leader_first_s", [0.0, 5.0])
+def test_leader_first_lets_the_leader_end_its_group(spawned: list[int], tmp_path, leader_first_s: float) -> None:  # type: ignore[no-untyped-def]
+    mark = tmp_path / "mark"
+    leader = subprocess.Popen([sys.executable, "-c", _DRAINER, str(mark)], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    assert leader.stdout is not None
+    with leader.stdout:
+        pids = {int(leader.stdout.readline()), int(leader.stdout.readline())}
+    spawned.extend(pids)
+    end = terminate_group(leader.pid, 10.0, leader=leader, leader_first_s=leader_first_s)
+    assert end.ended_by == "SIGTERM" and set(end.seen) == pids and live_pids(pids) == []
+    if leader_first_s:
+        assert leader.returncode == 0 and not mark.exists()
+    else:  # the whole group at once: the child takes its SIGTERM path
+        assert mark.exists()

@@ -218,7 +218,7 @@ max_running_requests = 17
 chunked_prefill_size = 512
 trust_remote_code = true
 enable_hierarchical_cache = true
-hicache_size = 2.5
+hicache_size = 3
 hicache_ratio = 1.5
 speculative_algorithm = "EAGLE3"
 speculative_draft_model_path = "/models/draft"
@@ -261,6 +261,15 @@ def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
     f = _write(tmp_path, BASE + '[server]\nspeculative_num_steps = 3\n')
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.speculative_algorithm: .*speculative_algorithm"):
         load_partition(f)
+
+
+def test_hicache_size_is_whole_gigabytes(tmp_path: Path) -> None:
+    hicache = '[server]\nenable_hierarchical_cache = true\nhicache_size = '
+    f = _write(tmp_path, BASE + hicache + '2.5\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*hicache_size=2\.5"):
+        load_partition(f)
+    whole = load_partition(_write(tmp_path, BASE + hicache + '4.0\n')).server_config(30123, None)
+    assert whole.hicache_size == 4 and isinstance(whole.hicache_size, int)
 
 
 def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> None:

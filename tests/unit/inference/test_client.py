@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import threading
 import time
 
+import httpx
 import pytest
 
 from tasks.inference import (
@@ -172,3 +174,18 @@ def test_malformed_answers_are_named_never_stored(body, fragment):
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_server_info_never_carries_the_api_key(sim_gpus, emulator_factory):
+    secret = "sk-info-" + "7" * 16
+    em = emulator_factory(EMU + ["--api-key", secret])
+    raw = httpx.get(em.url + "/server_info", headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
+    assert raw["api_key"] == secret  # as SGLang reports it
+
+    async def go():
+        async with GenerateClient(em.url, ClientConfig(api_key=secret, **FAST)) as c:
+            return await c.server_info()
+
+    info = _run(go())
+    assert info is not None and info["max_running_requests"] == 32 and "max_total_num_tokens" in info
+    assert "api_key" not in info and secret not in json.dumps(info)

@@ -21,12 +21,14 @@ from tasks.server import (
     TuningPolicy,
     classify_failure,
     effective_fraction,
+    launch,
     launch_tuned,
     next_fraction,
     record_runtime_oom,
     runtime_failure,
 )
 from tasks.server._log import log_tail
+from tests.support.common import free_port
 from tests.support.paths import REPO_ROOT
 
 CORPUS = REPO_ROOT / "tests" / "data" / "sglang_failures"
@@ -93,6 +95,21 @@ def test_kv_pool_exhaustion_advice_never_lowers_the_fraction() -> None:
     assert "raise --mem-fraction-static" in advice and "never lower it" in advice
 
 
+def test_kv_pool_exhaustion_at_startup_stops_the_tuner_without_a_contradiction(tmp_path: Path) -> None:
+    failure = classify_failure("Prefill out of memory. Try to lower your batch size.", -9)
+    assert runtime_failure("Prefill out of memory. Try to lower your batch size.") is None
+
+    def launcher(cfg, target, fraction, log_dir, deadline_s):  # type: ignore[no-untyped-def]
+        raise LaunchFailed(failure, "", exit_status=-9, fraction=fraction)
+
+    with pytest.raises(LaunchFailed) as info:
+        launch_tuned(ServerConfig(model_path="/m", mem_fraction_static=0.8), "local", tmp_path,
+                     memory=FractionMemory(FileStore(tmp_path / "f.json")), gpu_name="gpu", hygiene=None,
+                     launcher=launcher)
+    assert [a.fraction for a in info.value.attempts] == [0.8]
+    assert "not fixed by changing" not in str(info.value) and "never lower it" in str(info.value)
+
+
 # --- what the tuner does with these kinds ------------------------------------------------------------
 
 
@@ -106,8 +123,6 @@ def test_failures_not_about_memory_never_move_the_fraction(path: Path) -> None:
     assert runtime_failure(text) is None  # a running server's log: no runtime OOM recorded
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 1: the tuner steps by its own increment and ignores the "
-                   "fraction SGLang says the model needs")
 def test_tuner_goes_above_the_fraction_sglang_suggests() -> None:
     failure = classify_failure("ValueError: Loaded weights leave no GPU memory for the KV cache under "
                                "--mem-fraction-static=0.8. Raise --mem-fraction-static above 0.912 "
@@ -115,20 +130,32 @@ def test_tuner_goes_above_the_fraction_sglang_suggests() -> None:
     assert failure.suggested_fraction == 0.912
     nxt = next_fraction([Attempt(0.8, 0.8, failure, None, 1.0)], TuningPolicy())
     assert nxt is not None and nxt > 0.912
+    assert nxt == 0.922
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 2: a failed default launch reads the fraction from the "
-                   "log's last 40 lines, misses the server_args line at the top and assumes 0.88")
+def test_a_suggestion_above_the_tuner_bounds_ends_the_search() -> None:
+    failure = classify_failure("ValueError: Loaded weights leave no GPU memory for the KV cache under "
+                               "--mem-fraction-static=0.9. Raise --mem-fraction-static above 0.96", -9)
+    assert next_fraction([Attempt(0.9, 0.9, failure, None, 1.0)], TuningPolicy()) is None
+    clamped = next_fraction([Attempt(0.9, 0.9, failure, None, 1.0)], TuningPolicy(bounds=(0.5, 0.99)))
+    assert clamped == 0.97
+
+
+LONG_DEFAULT_LOG = (
+    "[2026-12-01 05:00:03] server_args={'model_path': '/m', 'mem_fraction_static': 0.716, 'tp_size': 1}\n"
+    + "".join(f"[2026-12-01 05:00:04] line {i}\n" for i in range(60))
+    + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+
+
 def test_failed_default_launch_steps_down_from_the_fraction_sglang_used(tmp_path: Path) -> None:
-    log = ("[2026-12-01 05:00:03] server_args={'model_path': '/m', 'mem_fraction_static': 0.716, 'tp_size': 1}\n"
-           + "".join(f"[2026-12-01 05:00:04] line {i}\n" for i in range(60))
-           + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    log = LONG_DEFAULT_LOG
     tried: list[float | None] = []
 
     def launcher(cfg, target, fraction, log_dir, deadline_s):  # type: ignore[no-untyped-def]
         tried.append(fraction)
-        if len(tried) == 1:
-            raise LaunchFailed(classify_failure(log, -9), log_tail(log), exit_status=-9, fraction=fraction)
+        if len(tried) == 1:  # as tasks.server.launch raises it: the whole log's fraction, the tail
+            raise LaunchFailed(classify_failure(log, -9), log_tail(log), exit_status=-9, fraction=fraction,
+                               effective=effective_fraction(log))
         raise LaunchFailed(Failure("bad_flag", "stop here"), "", exit_status=2, fraction=fraction)
 
     with pytest.raises(LaunchFailed):
@@ -138,11 +165,37 @@ def test_failed_default_launch_steps_down_from_the_fraction_sglang_used(tmp_path
     assert tried[1] is not None and tried[1] < 0.716
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 2: a runtime OOM of a server at SGLang's default "
-                   "fraction (None) raises TypeError in the tuner's memory")
+def test_launch_reads_the_default_fraction_from_the_top_of_a_long_log(tmp_path: Path) -> None:
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(f"import os\nprint({LONG_DEFAULT_LOG!r}, end='', flush=True)\n"
+                                          "os._exit(1)\n")
+    cfg = ServerConfig(model_path="/m", port=free_port(), env={"PYTHONPATH": str(tmp_path)})
+    with pytest.raises(LaunchFailed) as info:
+        launch(cfg, "local", None, tmp_path / "logs", deadline_s=30)
+    assert "server_args" not in info.value.log_tail
+    assert (info.value.failure.kind, info.value.effective) == ("too_high", 0.716)
+
+
+def test_failed_default_launch_with_no_fraction_in_its_log_never_guesses(tmp_path: Path) -> None:
+    def launcher(cfg, target, fraction, log_dir, deadline_s):  # type: ignore[no-untyped-def]
+        raise LaunchFailed(classify_failure("torch.OutOfMemoryError: CUDA out of memory.", -9), "",
+                           exit_status=-9, fraction=fraction)
+
+    with pytest.raises(LaunchFailed, match="set \\[server\\] mem_fraction_static") as info:
+        launch_tuned(ServerConfig(model_path="/m"), "local", tmp_path, memory=FractionMemory(
+            FileStore(tmp_path / "f.json")), gpu_name="gpu", hygiene=None, launcher=launcher)
+    assert [a.fraction for a in info.value.attempts] == [None]
+
+
 def test_runtime_oom_at_the_default_fraction_is_recorded(tmp_path: Path) -> None:
     memory = FractionMemory(FileStore(tmp_path / "f.json"))
-    record_runtime_oom(ServerConfig(model_path="/m"), "local", None, memory=memory, gpu_name="gpu")  # type: ignore[arg-type]
+    cfg = ServerConfig(model_path="/m")
+    entry = record_runtime_oom(cfg, "local", None, log_text=LONG_DEFAULT_LOG, memory=memory, gpu_name="gpu")
+    assert entry is not None and entry.runtime_oom_at == 0.716
+    assert record_runtime_oom(cfg, "local", None, log_text="no fraction here", memory=memory,
+                              gpu_name="gpu") is None
 
 
 def test_effective_fraction_reads_the_forms_sglang_0_5_23_prints() -> None:

@@ -120,6 +120,8 @@ def test_gpus_select_cuda_visible_devices():
         ({"mem_fraction_static": 0.0}, "mem_fraction_static"),
         ({"hicache_size": 10}, "enable_hierarchical_cache"),
         ({"enable_hierarchical_cache": True, "hicache_size": -1}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_size": 2.5}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_size": "8"}, "hicache_size"),
         ({"speculative_num_steps": 3}, "speculative_algorithm"),
         ({"speculative_algorithm": "EAGLE3"}, "speculative_draft_model_path"),
         ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm"),
@@ -238,6 +240,27 @@ def test_progress_new_form_and_incremental():
     assert p.phase == "cuda_graph"
     parse_progress("".join(lines[3:]), p)
     assert p.headroom_gib == 0.80 and p.weights_gib == 60.0
+
+
+SPECULATIVE_EP_LOG = """\
+[2026-12-01 10:00:10 TP0 EP0] Capture cuda graph begin. This can take up to several minutes. avail mem=9.00 GB
+[2026-12-01 10:00:20 TP0 EP0] Capture cuda graph end. Time elapsed: 9.9 s. mem usage=0.40 GB. avail mem=8.60 GB.
+[2026-12-01 10:00:20 TP1 EP1] Capture cuda graph end. Time elapsed: 9.9 s. mem usage=0.40 GB. avail mem=8.50 GB.
+[2026-12-01 10:00:21 TP0 EP0] Capture draft decode CUDA graph begin. backend=fa3, avail mem=8.60 GB
+[2026-12-01 10:00:25 TP0 EP0] Capture draft decode CUDA graph end. Time elapsed: 4.0 s. mem usage=0.20 GB. avail mem=8.40 GB.
+[2026-12-01 10:00:25 TP1 EP1] Capture draft decode CUDA graph end. Time elapsed: 4.0 s. mem usage=0.20 GB. avail mem=8.30 GB.
+[2026-12-01 10:00:26 TP0 EP0] Capture draft extend CUDA graph begin. backend=fa3, avail mem=8.40 GB
+[2026-12-01 10:00:29 TP0 EP0] Capture draft extend CUDA graph end. Time elapsed: 3.0 s. mem usage=0.10 GB. avail mem=8.30 GB.
+[2026-12-01 10:00:29 TP1 EP1] Capture draft extend CUDA graph end. Time elapsed: 3.0 s. mem usage=0.10 GB. avail mem=8.20 GB.
+"""
+
+
+def test_progress_reads_speculative_graphs_and_ep_rank_prefixes():
+    lines = SPECULATIVE_EP_LOG.splitlines(keepends=True)
+    p = parse_progress("".join(lines[3:4]))
+    assert p.phase == "cuda_graph"
+    p = parse_progress(SPECULATIVE_EP_LOG)
+    assert p.phase == "cuda_graph" and p.headroom_gib == 8.20 and p.ranks_reported == 2
 
 
 def test_progress_without_graphs_uses_available_gpu_mem():
