@@ -266,7 +266,7 @@ def test_bad_launch_setting_names_the_file_and_the_key(tmp_path: Path) -> None:
 def test_hicache_size_is_whole_gigabytes(tmp_path: Path) -> None:
     hicache = '[server]\nenable_hierarchical_cache = true\nhicache_size = '
     f = _write(tmp_path, BASE + hicache + '2.5\n')
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: \[server\]: .*hicache_size=2\.5"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: server\.hicache_size: .*hicache_size=2\.5"):
         load_partition(f)
     whole = load_partition(_write(tmp_path, BASE + hicache + '4.0\n')).server_config(30123, None)
     assert whole.hicache_size == 4 and isinstance(whole.hicache_size, int)
