@@ -18,9 +18,11 @@ from aiohttp import web
 from emulator.engine import Engine, QueueFull, Req
 from emulator.profile import ModelInfo
 from emulator.textgen import (
+    GPT_OSS,
     ReasoningFormat,
     count_tokens,
     generate,
+    skip_special_tokens,
     split_reasoning,
 )
 from tasks.reasoning import PARSERS
@@ -166,6 +168,8 @@ def _make_req(
         opened=opened,
         closed=closed,
     )
+    if sp.get("skip_special_tokens", True):
+        out = skip_special_tokens(out)
     return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic())
 
 
@@ -398,6 +402,8 @@ def build_app(st: ServerState) -> web.Application:
             "stop": body.get("stop"),
             "sampling_seed": body.get("seed"),
             "n": body.get("n", 1),
+            # SGLang's chat endpoint keeps gpt-oss's Harmony markers for its parser.
+            "skip_special_tokens": False if st.fmt is GPT_OSS else body.get("skip_special_tokens", True),
         }
         msg = _check_params({k: v for k, v in sp.items() if v is not None})
         if msg:

@@ -20,6 +20,7 @@ __all__ = [
     "count_tokens",
     "format_for_model",
     "generate",
+    "skip_special_tokens",
     "split_reasoning",
     "FORCED_PARSERS",
     "PARSER_TAGS",
@@ -205,6 +206,16 @@ def generate(
     if len(tokens) > max_new_tokens:
         return Output(tokens[:max_new_tokens], {"type": "length", "length": max_new_tokens})
     return Output(tokens, finish)
+
+
+_SPECIAL = re.compile(r"<\|[^|\s]{1,40}\|>")
+
+
+def skip_special_tokens(out: Output) -> Output:
+    """``out`` as SGLang's detokenizer returns it by default (``skip_special_tokens``): the special
+    tokens (gpt-oss's Harmony markers, ``<|...|>``) generated but absent from the text."""
+    kept = [tok for tok in (_SPECIAL.sub("", t) for t in out.tokens) if tok]
+    return Output(kept, out.finish_reason, out.extra + len(out.tokens) - len(kept))
 
 
 def split_reasoning(text: str, parser: str, forced: bool = False) -> tuple[str | None, str]:

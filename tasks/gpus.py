@@ -5,12 +5,15 @@ whole (one ``python3 -c`` argument) to remote ones, calling :func:`main` there. 
 standard library only at import time (``pynvml`` and ``emulator.simgpu`` are optional, lazy), with
 no imports from the rest of datagen, and speaks plain JSON (:func:`handle`):
 ``{"op": "discover", "gpus"}`` -> GPUs, their users, the /proc table and the probe's own pids;
-``{"op": "clean", "targets": [{"pid", "start"}], ...}`` -> ``{"terminated", "wait"}``; errors come
-back as ``{"error": "..."}``.
+``{"op": "clean", "targets": [{"pid", "start"}], ...}`` -> ``{"terminated", "wait"}``;
+``{"op": "listeners", "port"}`` -> ``{"listeners"}``, the TCP sockets listening on that port and the
+processes holding them (a server's port pre-check and readiness proof); errors come back as
+``{"error": "..."}``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pwd
@@ -33,6 +36,7 @@ __all__ = [
     "protected_pids",
     "terminate",
     "wait_clean",
+    "port_listeners",
     "handle",
     "main",
 ]
@@ -551,6 +555,82 @@ def wait_clean(gpus: list[int] | None, threshold_mib: int, deadline_s: float,
         time.sleep(min(interval_s, remaining))
 
 
+# --------------------------------------------------------------------------- listening sockets
+
+_TCP_LISTEN = "0A"  # st column of /proc/net/tcp{,6} (include/net/tcp_states.h)
+
+
+def _proc_net_address(hexaddr: str) -> str:
+    """``0100007F`` / a 32-digit IPv6 field of /proc/net/tcp{,6} (host byte order words) as text."""
+    raw = bytes.fromhex(hexaddr)
+    # Each 4-byte word is in the host's (little-endian here) order.
+    swapped = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    addr = ipaddress.ip_address(swapped)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+def _socket_owners(inodes: set[str]) -> dict[str, list[int]]:
+    """socket inode -> pids with it open, for the processes whose fds this user may read."""
+    owners: dict[str, list[int]] = {}
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if link in wanted:
+                pids = owners.setdefault(link[8:-1], [])
+                if int(entry) not in pids:
+                    pids.append(int(entry))
+    return owners
+
+
+def port_listeners(port: int) -> list[dict[str, Any]]:
+    """The TCP sockets listening on ``port`` in this network namespace, on any address.
+
+    Each: ``address``, ``port``, ``uid``, ``user`` and ``holders``, the processes with the socket open
+    (``pid``, ``ppid``, ``pgid``, ``sid``, ``cmdline``), empty when none can be seen (another user's,
+    unless run as root). Raises OSError when /proc/net/tcp cannot be read.
+    """
+    found: list[tuple[str, int, str]] = []
+    read = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:  # no IPv6 here, or no /proc/net at all (checked below)
+            continue
+        read += 1
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10 or cols[3] != _TCP_LISTEN:
+                continue
+            addr, _, hexport = cols[1].partition(":")
+            if int(hexport, 16) == port:
+                found.append((_proc_net_address(addr), int(cols[7]), cols[9]))
+    if not read:
+        raise OSError("cannot read /proc/net/tcp: the sockets of this host cannot be listed")
+    owners = _socket_owners({inode for _, _, inode in found}) if found else {}
+    out = []
+    for address, uid, inode in found:
+        holders = []
+        for pid in sorted(owners.get(inode, [])):
+            st = _stat(pid)
+            if st is not None:
+                holders.append({"pid": pid, "ppid": st[1], "pgid": st[2], "sid": st[3], "cmdline": _cmdline(pid)})
+        out.append({"address": address, "port": port, "uid": uid, "user": _user(uid), "holders": holders})
+    return out
+
+
 # --------------------------------------------------------------------------- protocol
 
 
@@ -583,6 +663,8 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
             waited = wait_clean(request.get("gpus"), int(request["threshold_mib"]),
                                 float(request["deadline_s"]))
             return {"terminated": terminated, "wait": waited}
+        if op == "listeners":
+            return {"listeners": port_listeners(int(request["port"]))}
     except (KeyError, TypeError, ValueError, OSError) as exc:
         return {"error": f"probe op {op!r} failed: {type(exc).__name__}: {exc}"}
     return {"error": f"unknown probe op {op!r}"}

@@ -32,6 +32,7 @@ __all__ = [
     "ProcessFinding",
     "clean_gpus",
     "parse_gpu_list",
+    "port_listeners",
 ]
 
 # An idle GPU does not read 0 MiB on every driver (context/reserved memory); a leftover model or KV
@@ -354,6 +355,22 @@ def gpu_names(target: str | Target = "local", timeout_s: float = 60.0) -> dict[i
     """
     found = _call(parse_target(target), {"op": "discover"}, timeout_s=timeout_s)
     return {int(g["index"]): str(g["name"]) for g in found.get("gpus", [])}
+
+
+def port_listeners(target: str | Target, port: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The TCP sockets listening on ``port`` on ``target`` and the processes holding them, as
+    ``tasks.gpus.port_listeners`` reports them there.
+
+    Raises:
+        TargetError: the target string or a target setting is bad.
+        TargetUnreachable: the target cannot be connected to.
+        ProbeFailed: the probe could not run on the target or could not read its sockets.
+    """
+    t = parse_target(target)
+    found = _call(t, {"op": "listeners", "port": int(port)}, timeout_s=timeout_s)
+    if "listeners" not in found:
+        raise ProbeFailed(t, None, str(found.get("error") or "no listeners in the answer"))
+    return list(found["listeners"])
 
 
 def clean_gpus(

@@ -25,6 +25,7 @@ from tasks.inference._client import GenerateClient, PromptTooLong
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, public_reject
 from tasks.prompts import Reject
+from tasks.reasoning import request_sampling
 from tasks.shards import Journal, OutputDir, ShardRecord
 
 __all__ = ["InferencePool"]
@@ -87,7 +88,8 @@ class InferencePool:
         self.client = client
         self.shard_size = shard_size
         self.concurrency = concurrency
-        self.sampling = dict(sampling)
+        self.sampling = dict(sampling)  # as configured: the rows' `sampling` column
+        self.request_sampling = request_sampling(self.sampling, reasoning_parser)  # what is sent
         self.rows = RowBuilder(
             dataset=spec.name, parser=reasoning_parser, model_name=model_name,
             sampling_json=RowBuilder.sampling_text(self.sampling), server_fingerprint=server_fingerprint,
@@ -264,7 +266,7 @@ class InferencePool:
                 return
             shard = item.shard
             try:
-                res = await self.client.generate(item.prompt, self.sampling, rid=item.row.id)
+                res = await self.client.generate(item.prompt, self.request_sampling, rid=item.row.id)
             except PromptTooLong as exc:
                 self._journal_reject(shard, item.pos, item.row.line, f"prompt too long: {exc.message}",
                                      item.row.raw, row_id=item.row.id, status=exc.status)

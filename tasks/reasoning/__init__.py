@@ -7,13 +7,15 @@ split later without a server. gpt-oss's Harmony channels are parsed in ``_harmon
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tasks.files import read_json_object
 from tasks.reasoning._harmony import parse_harmony
 
-__all__ = ["PARSERS", "ParserSpec", "parser_for_model", "split_reasoning", "tags_for"]
+__all__ = ["PARSERS", "ParserSpec", "parser_for_model", "request_sampling", "split_reasoning", "tags_for"]
 
 _THINK = ("<think>", "</think>")
 _QWEN_TOOL = "<tool_call>"
@@ -29,6 +31,8 @@ class ParserSpec:
     tool_start: str | None = None
     always_forced: bool = False
     never_forced: bool = False
+    # The markers are special tokens, which SGLang drops from the text unless told to keep them.
+    keeps_special_tokens: bool = False
 
 
 PARSERS: dict[str, ParserSpec] = {
@@ -45,7 +49,8 @@ PARSERS: dict[str, ParserSpec] = {
         ParserSpec("interns1", *_THINK, tool_start=_QWEN_TOOL),
         ParserSpec("kimi", "\u25c1think\u25b7", "\u25c1/think\u25b7", never_forced=True),
         ParserSpec("mistral", "[THINK]", "[/THINK]"),
-        ParserSpec("gpt-oss", "<|channel|>analysis<|message|>", "<|end|>", always_forced=True),
+        ParserSpec("gpt-oss", "<|channel|>analysis<|message|>", "<|end|>", always_forced=True,
+                   keeps_special_tokens=True),
     )
 }
 
@@ -69,6 +74,21 @@ def tags_for(parser: str) -> tuple[str, str]:
     """
     spec = _spec(parser)
     return spec.start, spec.end
+
+
+def request_sampling(sampling: Mapping[str, Any], parser: str | None) -> dict[str, Any]:
+    """The ``sampling_params`` to send for ``parser``: ``sampling`` plus, for a parser whose markers
+    are special tokens (gpt-oss's Harmony), ``skip_special_tokens=False`` unless ``sampling`` sets it,
+    as SGLang's own chat endpoint does. Without it ``/generate`` returns the text with the markers
+    dropped, which the split can only read by its text fallback.
+
+    Raises:
+        ValueError: the parser name is unknown.
+    """
+    out = dict(sampling)
+    if parser is not None and _spec(parser).keeps_special_tokens:
+        out.setdefault("skip_special_tokens", False)
+    return out
 
 
 def is_forced(parser: str, force_reasoning: bool | None = None) -> bool:

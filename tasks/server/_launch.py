@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shlex
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -46,6 +46,7 @@ from tasks.server._config import (
     redact,
     server_flags,
 )
+from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
 from tasks.server._log import (
     Failure,
     FailureKind,
@@ -175,17 +176,6 @@ def _is_local(target: Any) -> bool:
         return False
 
 
-def _port_taken(host: str, port: int) -> bool:
-    """Whether something already listens on host:port (local). A fresh bind is the honest test."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def launch(
     cfg: ServerConfig,
     target: Any = "local",
@@ -203,9 +193,11 @@ def launch(
     through an SSH port forward and its ``url`` is the forward's local end. With ``cfg.api_key`` the
     key is on no command line there either.
     Raises LaunchFailed (kind from classify_failure, or "timeout" after the whole group was
-    killed when ``deadline_s`` passed, or "port_in_use" before starting anything when the local port
-    is already taken), ServerConfigError for an invalid config, TargetError/TargetUnreachable for a
-    remote target that cannot be used.
+    killed when ``deadline_s`` passed, or "port_in_use": before starting anything when the port is
+    already taken on the target, naming its holder when it can be seen; after killing the new group
+    when the server could not bind it, or when the process answering ``/health_generate`` there is
+    not the one started), ServerConfigError for an invalid config, TargetError/TargetUnreachable for
+    a remote target that cannot be used.
 
     ``on_started(pid, pgid)`` is called as soon as the server process exists, before it is ready,
     so a caller can record it (a flow SIGKILLed while the server loads leaves it running, and only
@@ -218,6 +210,9 @@ def launch(
         _tell_started(on_started, handle.pid, handle.pgid, lambda: _kill_group(handle, grace_s=5.0))
     else:
         t = parse_target(target)
+        taken = listeners_on(t, cfg.host, cfg.port)
+        if taken:
+            _refuse_taken_port(cfg, taken, f"{log_dir}/{log_file_name(cfg, fraction)}", shown, fraction)
 
         def remote_started(pid: int) -> None:  # a remote server leads its own session: pgid == pid
             _tell_started(on_started, pid, pid, lambda: server_remote.kill_group(t, pid, grace_s=5.0))
@@ -254,11 +249,9 @@ def _tell_started(on_started: Callable[[int, int], None] | None, pid: int, pgid:
 def _start_local(cfg: ServerConfig, fraction: float | None, log_dir: Path, shown: list[str]) -> ServerHandle:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / log_file_name(cfg, fraction)
-    if _port_taken(cfg.host, cfg.port):
+    if bind_refused(cfg.host, cfg.port):
         # Never start next to a live listener: its /health_generate 200 would look like ours.
-        failure = Failure("port_in_use", explanation("port_in_use"), f"{cfg.host}:{cfg.port} is already bound")
-        raise LaunchFailed(failure, "", exit_status=None, log_path=str(log_path), command=shown,
-                           fraction=fraction)
+        _refuse_taken_port(cfg, listeners_on("local", cfg.host, cfg.port), str(log_path), shown, fraction)
     with open(log_path, "ab") as logf:
         logf.write(f"# datagen launch: {shlex.join(shown)}\n".encode())
         logf.flush()
@@ -272,6 +265,18 @@ def _start_local(cfg: ServerConfig, fraction: float | None, log_dir: Path, shown
         target="local", command=shown, gpus=cfg.gpu_indexes(), progress=StartupProgress(),
         ready_s=0.0, api_key=cfg.api_key, _popen=popen,
     )
+
+
+def _refuse_taken_port(cfg: ServerConfig, taken: list[dict[str, Any]] | None, log_path: str,
+                       shown: list[str], fraction: float | None) -> None:
+    holders = describe_holders(taken)
+    evidence = f"{cfg.host}:{cfg.port} is already in use" + (f" by {holders}" if holders else "")
+    raise LaunchFailed(Failure("port_in_use", explanation("port_in_use"), evidence), "", exit_status=None,
+                       log_path=log_path, command=shown, fraction=fraction)
+
+
+# uvicorn's line when the HTTP port cannot be bound; SGLang 0.5.23 then hangs instead of exiting.
+_BIND_FAILED = re.compile(r"error while attempting to bind on address .*", re.I)
 
 
 def _await_ready(
@@ -292,6 +297,8 @@ def _await_ready(
         while True:
             chunk, offset = _read_log_from(handle, offset)
             if chunk:
+                if bound := _BIND_FAILED.search(chunk):
+                    _raise_not_ours(handle, cfg, bound.group(0).strip())
                 parse_progress(chunk, handle.progress)
                 if handle.progress.phase != last_phase:
                     last_phase = handle.progress.phase
@@ -306,8 +313,8 @@ def _await_ready(
             try:
                 timeout = httpx.Timeout(min(health_timeout_s, max(remaining, 0.1)), connect=1.0)
                 r = client.get(handle.url + "/health_generate", timeout=timeout)
-                # A 200 counts only if our process is still the one alive behind the port.
-                if r.status_code == 200 and handle.is_alive():
+                # A 200 counts only if our process is alive and is the one holding the port.
+                if r.status_code == 200 and handle.is_alive() and _holds_port(handle, cfg):
                     chunk, offset = _read_log_from(handle, offset)
                     parse_progress(chunk, handle.progress)
                     handle.progress.phase = "ready"
@@ -320,6 +327,28 @@ def _await_ready(
             _wait_exit(handle, min(delay, max(deadline - time.monotonic(), 0.0)))
             delay = min(delay * 1.5, 1.0)
 
+
+
+def _holds_port(handle: ServerHandle, cfg: ServerConfig) -> bool:
+    """Whether the launched server holds its port (True when the target cannot tell); raises
+    LaunchFailed "port_in_use", after killing the group, when another process holds it."""
+    listeners = listeners_on(handle.target, cfg.host, cfg.port)
+    if listeners is None:
+        return True
+    members = group_pids(handle.pgid) if not handle.is_remote else []
+    if held_by(listeners, handle.pgid, members):
+        return True
+    _raise_not_ours(handle, cfg, "")
+    return False
+
+
+def _raise_not_ours(handle: ServerHandle, cfg: ServerConfig, line: str) -> None:
+    holders = describe_holders(listeners_on(handle.target, cfg.host, cfg.port))
+    _kill_group(handle, grace_s=5.0)
+    what = f"{cfg.host}:{cfg.port} is held by {holders or 'another process'}, not by the launched server " \
+           f"(pid {handle.pid})"
+    failure = Failure("port_in_use", explanation("port_in_use"), f"{what}: {line}" if line else what)
+    _raise(handle, failure, handle.read_log(), handle.exit_status())
 
 
 def _wait_exit(handle: ServerHandle, timeout: float) -> None:

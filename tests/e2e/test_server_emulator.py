@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from tasks.server import (
     stop_server,
 )
 from tasks.targets import run_command
-from tests.support.common import free_port, pid_alive
+from tests.support.common import free_port, impostor_server, pid_alive
 from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -234,6 +235,43 @@ def test_port_in_use_is_refused_before_starting(sim_gpus, started, tmp_path):
         assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert ei.value.failure.kind == "port_in_use"
     assert f"127.0.0.1:{port}" in str(ei.value) and "choose another --port" in str(ei.value)
+    assert ei.value.failure.evidence.startswith(f"127.0.0.1:{port} is already in use by pid {os.getpid()} (")
+
+
+def test_readiness_refuses_a_200_from_another_process_on_the_port(sim_gpus, started, tmp_path):
+    """The port is free at the pre-check and taken before the server binds it: the impostor's 200
+    must not pass for the launched server's."""
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        pids: list[int] = []
+
+        def on_started(pid: int, pgid: int) -> None:
+            pids.append(pid)
+            stack.enter_context(impostor_server(port))
+
+        with pytest.raises(LaunchFailed) as ei:
+            launch(cfg_for(port, "--emu-load-time", "2"), "local", 0.88, tmp_path / "logs", deadline_s=30,
+                   on_started=on_started)
+    e = ei.value
+    assert e.failure.kind == "port_in_use"
+    assert e.failure.evidence.startswith(f"127.0.0.1:{port} is held by pid {os.getpid()} (")
+    assert f"not by the launched server (pid {pids[0]})" in e.failure.evidence
+    assert not pid_alive(pids[0])  # the launched group was killed
+
+
+@pytest.mark.slow
+def test_remote_port_in_use_is_refused_before_starting(remote, sim_gpus, tmp_path):
+    port = free_port()
+    cfg = ServerConfig(model_path=str(REPO / DEMO), backend="emulator", port=port, extra_args=FAST)
+    with impostor_server(port):
+        with pytest.raises(LaunchFailed) as ei:
+            launch(cfg, remote.url(), 0.88, str(tmp_path / "remote-logs"), deadline_s=30)
+    e = ei.value
+    assert e.failure.kind == "port_in_use" and e.exit_status is None
+    # Read on the target by the probe (the target is this host, so the holder is this test process).
+    assert e.failure.evidence.startswith(f"127.0.0.1:{port} is already in use by pid {os.getpid()} (")
+    assert not (tmp_path / "remote-logs").exists()  # nothing was started there
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
 
 
 def test_unknown_flag_is_bad_flag(sim_gpus, started, tmp_path):
