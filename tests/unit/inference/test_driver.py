@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import traceback
@@ -206,3 +207,39 @@ def test_template_and_context_length_rejects_keep_the_input_row(tmp_path, emulat
     assert rejects["q00001"]["reason"].startswith("prompt too long: ")
     assert rejects["roles"]["raw"] == bad_roles
     assert rejects["roles"]["reason"].startswith("chat template failed: ")
+
+
+@pytest.fixture
+def gpt_oss_model(tmp_path):
+    """The demo model directory as a gpt-oss checkpoint (Harmony output, gpt-oss parser)."""
+    model = tmp_path / "gpt-oss-demo"
+    shutil.copytree(DEMO_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("sampling, markers", [
+    ({"max_new_tokens": 200}, True),  # datagen asks to keep the special tokens: the Harmony parse
+    ({"max_new_tokens": 200, "skip_special_tokens": True}, False),  # markers dropped: the text fallback
+])
+def test_gpt_oss_rows_split_from_harmony_markers_or_from_the_text_fallback(
+        tmp_path, sim_gpus, emulator_factory, gpt_oss_model, sampling, markers):
+    em = emulator_factory(EMU_ARGS + ["--model-path", str(gpt_oss_model)])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_input(inp, 3)
+    r = run_dataset(DatasetSpec("ds", inp), out, Endpoint(em.url, "test-server"),
+                    InferenceSettings(shard_size=16, model_dir=gpt_oss_model, sampling=sampling, concurrency=4,
+                                      client=FAST_CLIENT))
+    assert r.complete and r.rows_generated == 3
+    rows = [row for rec in OutputDir(out).committed_shards("ds") for row in pq.read_table(rec.path).to_pylist()]
+    for row in rows:
+        assert row["reasoning_parser"] == "gpt-oss" and row["finish_reason"] == "stop"
+        assert ("<|channel|>analysis<|message|>" in row["raw"]) is markers
+        assert ("<|" in row["raw"]) is markers
+        assert row["reasoning"] and row["content"]
+        assert "<|" not in row["reasoning"] + row["content"]
+        assert row["reasoning"].split()[0] in ("Okay", "First", "Let", "Hmm", "So", "Now", "Wait")
+        assert row["content"] in row["raw"] and row["reasoning"] in row["raw"]
+        assert json.loads(row["sampling"]) == sampling  # the configured sampling, as the rows record it

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.reasoning import PARSERS, is_forced, parser_for_model, split_reasoning, tags_for
+from tasks.reasoning import PARSERS, is_forced, parser_for_model, request_sampling, split_reasoning, tags_for
 from tests.support.paths import REPO_ROOT
 
 THINK_PARSERS = [
@@ -239,3 +239,13 @@ def test_parser_for_model_demo_and_errors(tmp_path: Path) -> None:
     (bad / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read model config"):
         parser_for_model(bad)
+
+
+def test_gpt_oss_requests_keep_special_tokens_unless_the_sampling_says_otherwise():
+    assert request_sampling({"max_new_tokens": 8}, "gpt-oss") == {"max_new_tokens": 8, "skip_special_tokens": False}
+    assert request_sampling({"skip_special_tokens": True}, "gpt-oss") == {"skip_special_tokens": True}
+    for parser in (None, "qwen3", "deepseek-r1", "kimi"):
+        assert request_sampling({"max_new_tokens": 8}, parser) == {"max_new_tokens": 8}
+    sampling = {"temperature": 0.5}
+    request_sampling(sampling, "gpt-oss")
+    assert sampling == {"temperature": 0.5}  # the configured table (the rows' column) is not changed
