@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", default=None)
     a("--enable-metrics", action="store_true")
     a("--dtype", default="auto")
+    a("--load-format", default="auto")
     a("--kv-cache-dtype", default="auto")
     a("--attention-backend", default=None)
     a("--schedule-policy", default="fcfs")
@@ -264,7 +265,7 @@ class Main:
             args=a, model=self.model, fmt=format_for_model(self.model.model_type, self.model.architecture),
             engine=engine, context_length=a.context_length,
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
-            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None,
+            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None, started_at=time.time(),
         )
         self.state = st
         for c in self.children:
@@ -332,10 +333,12 @@ def _finish_args(args: argparse.Namespace, model: ModelInfo) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the emulator. Returns only on a usage error (2) or a missing model dir (1)."""
     parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(given)
     except SystemExit as exc:
         return int(exc.code or 0)
+    args.emu_launch_argv = given  # /server_info's launch_command, as SGLang reports sys.argv
     if not 0 < (args.mem_fraction_static or 0.5) < 1:
         parser.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import time
 import uuid
 import zlib
@@ -50,6 +51,7 @@ class ServerState:
     generate_count: int = 0
     rng_503: random.Random | None = None
     template: Any = None
+    started_at: float = 0.0  # time.time() when serving began, as /server_info's startup_time
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -58,6 +60,31 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 def _error(message: str, status: int = 400, kind: str = "Bad Request") -> web.Response:
     return _json({"object": "error", "message": message, "type": kind, "param": None, "code": status}, status)
+
+
+def _value_error(message: str, status: int = 400) -> web.Response:
+    """SGLang's answer to a request its tokenizer manager refuses (a ValueError)."""
+    return _json({"error": {"message": message}}, status)
+
+
+# The sampling_params fields SGLang 0.5.23's /generate contract admits, in the order its message lists them.
+_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark",
+    "choice",
+)
+
+
+def _contract_error(sps: Any) -> web.Response | None:
+    """SGLang's schema check of a /generate body: an unknown sampling key is refused before anything."""
+    for sp in sps if isinstance(sps, list) else [sps]:
+        for key in sp if isinstance(sp, dict) else ():
+            if key not in _SAMPLING_FIELDS:
+                expected = ", ".join(f"`{f}`" for f in _SAMPLING_FIELDS)
+                return _json({"error": f"unknown field `{key}`, expected one of {expected}"}, 400)
+    return None
 
 
 def _queue_full() -> web.Response:
@@ -77,14 +104,22 @@ def _token_ids(tokens: list[str], extra: int) -> list[int]:
 
 def _meta(st: ServerState, r: Req, final: bool, upto: int | None = None) -> dict[str, Any]:
     now = time.monotonic()
+    done = r.total if upto is None else upto
+    # SGLang 0.5.23's keys, in its order.
     return {
         "id": r.rid,
         "finish_reason": r.output.finish_reason if final else None,
         "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.total if upto is None else upto,
-        "cached_tokens": 0,
         "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": done,
+        "cached_tokens": 0,
+        "weight_versions": [{"version": "default", "start": 0, "end": done}],
+        "cached_tokens_details": None,
+        "dp_rank": None,
         "e2e_latency": (r.finished_at or now) - r.created,
+        "response_sent_to_client_ts": time.time(),
     }
 
 
@@ -116,7 +151,7 @@ def _check_params(sp: dict[str, Any]) -> str | None:
         return f"max_new_tokens must be at least 0, got {mnt}."
     t = sp.get("temperature", 1.0)
     if not isinstance(t, int | float) or t < 0:
-        return f"temperature must be non-negative, got {t}."
+        return f"temperature must be a non-negative finite number, got {t}."
     tp = sp.get("top_p", 1.0)
     if not isinstance(tp, int | float) or not 0 < tp <= 1:
         return f"top_p must be in (0, 1], got {tp}."
@@ -178,9 +213,12 @@ async def _read_json(request: web.Request) -> Any:
     try:
         return orjson.loads(body) if body else {}
     except orjson.JSONDecodeError as exc:
+        detail = [{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error", "input": {},
+                   "ctx": {"error": str(exc)}}]
         raise web.HTTPBadRequest(
-            body=orjson.dumps({"object": "error", "message": f"Invalid JSON: {exc}", "type": "Bad Request",
-                               "param": None, "code": 400}),
+            body=orjson.dumps({"object": "error", "message": f"1 validation error:\n  {detail[0]}\n\n"
+                               f"  POST {request.path} {detail}", "type": "Bad Request", "param": None,
+                               "code": 400}),
             content_type=_JSON,
         ) from None
 
@@ -201,6 +239,9 @@ def build_app(st: ServerState) -> web.Application:
         if st.phase != "ready":
             return web.Response(status=503)
         return None
+
+    async def ready(request: web.Request) -> web.Response:
+        return ready_or_503() or web.Response(status=200)
 
     async def health(request: web.Request) -> web.Response:
         if st.hung and st.phase == "ready":
@@ -230,12 +271,15 @@ def build_app(st: ServerState) -> web.Application:
     async def generate_handler(request: web.Request) -> web.StreamResponse:
         body = await _read_json(request)
         if not isinstance(body, dict):
-            return _error("The request body must be a JSON object.")
+            return _value_error("The request body must be a JSON object.")
         given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
         if len(given) != 1:
-            return _error("Either text, input_ids or input_embeds should be provided.")
+            return _value_error("Either text, input_ids or input_embeds should be provided.")
         if given[0] == "input_embeds":
-            return _error("input_embeds is not supported by the emulator.")
+            return _value_error("input_embeds is not supported by the emulator.")
+        contract = _contract_error(body.get("sampling_params"))
+        if contract is not None:
+            return contract
         fault = _admit_faults()
         if fault is None:
             return await _never()
@@ -248,34 +292,34 @@ def build_app(st: ServerState) -> web.Application:
         if text is not None:
             prompts = [(t, None) for t in (text if isinstance(text, list) else [text])]
             if not all(isinstance(t, str) for t, _ in prompts):
-                return _error("text must be a string or a list of strings.")
+                return _value_error("text must be a string or a list of strings.")
         else:
             id_lists: list[Any] = list(ids) if batch and isinstance(ids, list) else [ids]
             if not all(isinstance(i, list) and all(isinstance(x, int) for x in i) for i in id_lists):
-                return _error("input_ids must be a list of ints or a list of lists of ints.")
+                return _value_error("input_ids must be a list of ints or a list of lists of ints.")
             prompts = [(None, i) for i in id_lists]
         if not prompts:
-            return _error("Either text, input_ids or input_embeds should be provided.")
+            return _value_error("Either text, input_ids or input_embeds should be provided.")
         sps = body.get("sampling_params") or {}
         if isinstance(sps, list):
             if len(sps) != len(prompts):
-                return _error("The number of sampling_params does not match the number of prompts.")
+                return _value_error("The number of sampling_params does not match the number of prompts.")
         elif isinstance(sps, dict):
             sps = [sps] * len(prompts)
         else:
-            return _error("sampling_params must be a dict or a list of dicts.")
+            return _value_error("sampling_params must be a dict or a list of dicts.")
         rids = body.get("rid")
         if isinstance(rids, str):
             rids = [rids] if not batch else None
         if rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)):
-            return _error("The rid should be a string or a list of strings with the same length as the batch.")
+            return _value_error("The rid should be a string or a list of strings with the same length as the batch.")
         reqs: list[Req] = []
         for i, ((t, ii), sp) in enumerate(zip(prompts, sps, strict=True)):
             if not isinstance(sp, dict):
-                return _error("sampling_params must be a dict or a list of dicts.")
+                return _value_error("sampling_params must be a dict or a list of dicts.")
             msg = _check_params(sp)
             if msg:
-                return _error(msg)
+                return _value_error(msg)
             n = int(sp.get("n", 1))
             for k in range(n):
                 rid = rids[i] if rids else None
@@ -324,10 +368,14 @@ def build_app(st: ServerState) -> web.Application:
     async def model_info(request: web.Request) -> web.Response:
         return _json({
             "model_path": st.args.model_path,
+            "served_model_name": st.served_model_name,
             "tokenizer_path": st.args.tokenizer_path or st.args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
+            "load_format": st.args.load_format,
+            "reasoning_parser": st.args.reasoning_parser,
+            "tool_call_parser": st.args.tool_call_parser,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": st.model.model_type,
@@ -338,7 +386,10 @@ def build_app(st: ServerState) -> web.Application:
         # api_key included, in plain text, as SGLang reports it: datagen must never store this raw.
         info = {k: v for k, v in vars(st.args).items() if not k.startswith("emu_")}
         info.update({
-            "status": st.phase if st.phase != "ready" else "Up",
+            # The schedulers' handshake answer: "ready" whenever the HTTP side answers at all.
+            "status": "ready",
+            "launch_command": " ".join(st.args.emu_launch_argv),
+            "startup_time": st.started_at,
             "version": SGLANG_VERSION,
             "max_total_num_tokens": st.memory["kv_tokens"],
             "emulator": True,
@@ -365,7 +416,7 @@ def build_app(st: ServerState) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
             "id": st.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sglang", "root": st.served_model_name, "max_model_len": st.context_length,
+            "owned_by": "sglang", "root": st.served_model_name, "parent": None, "max_model_len": st.context_length,
         }]})
 
     def _render(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
@@ -483,9 +534,10 @@ def build_app(st: ServerState) -> web.Application:
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
             path = request.path
-            if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+            if request.method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
                 return await handler(request)
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token, api_key):
                 return _json({"error": "Unauthorized"}, 401)
             return await handler(request)
 
@@ -494,6 +546,7 @@ def build_app(st: ServerState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
+    app.router.add_get("/ready", ready)
     app.router.add_post("/generate", generate_handler)
     for p in ("/model_info", "/get_model_info"):
         app.router.add_get(p, model_info)

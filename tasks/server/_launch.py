@@ -46,7 +46,6 @@ from tasks.server._config import (
     redact,
     server_flags,
 )
-from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
 from tasks.server._log import (
     Failure,
     FailureKind,
@@ -58,6 +57,7 @@ from tasks.server._log import (
     log_tail,
     parse_progress,
 )
+from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
 from tasks.targets import parse_target
 
 __all__ = [

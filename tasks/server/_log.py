@@ -195,13 +195,15 @@ class StartupProgress:
 
 # The scheduler's log prefix names its rank: "TP3", or with other parallelism "DP0 PP1 TP3 EP3".
 _RANK = re.compile(r"\[[^\]]*?\b((?:(?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\d+ ?)+)\]")
-_P_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB, mem usage=([0-9.]+) GB")
+_P_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB, mem usage=(-?[0-9.]+) GB")
 _P_KV = re.compile(r"KV Cache is allocated\..*?#tokens: (\d+)")
-# "Capture cuda graph", and the speculative forms: "target decode", "draft decode", "draft extend",
-# "<role> prefill", "Frozen-KV MTP draft". The last graph's avail mem is the lowest of the rank.
-_P_GRAPH_BEGIN = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph begin", re.I)
-_P_GRAPH_END = re.compile(r"Capture (?:[\w-]+ ){0,4}cuda graph end\..*?avail mem=([0-9.]+) GB", re.I)
-_P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_gpu_mem=([0-9.]+) GB")
+# "Capture cuda graph", "Capture target decode CUDA graph" (or CPU/NPU/XPU graph), and the speculative
+# forms: "target verify", "draft decode", "draft extend", "<role> prefill", "UNO tree draft",
+# "Frozen-KV MTP draft". The last graph's avail mem is the lowest of the rank.
+_P_GRAPH_BEGIN = re.compile(r"Capture (?:[\w-]+ ){0,5}graph begin", re.I)
+_P_GRAPH_END = re.compile(r"Capture (?:[\w-]+ ){0,5}graph end\..*?avail mem=([0-9.]+) GB", re.I)
+# On CPU the same line says available_cpu_mem: host memory, which is no GPU headroom.
+_P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_(gpu|cpu)_mem=([0-9.]+) GB")
 _P_HTTP = re.compile(r"Uvicorn running on")
 _P_READY = re.compile(r"The server is fired up and ready to roll")
 
@@ -231,8 +233,8 @@ def parse_progress(text: str, progress: StartupProgress | None = None) -> Startu
             graph_end[rank] = min(graph_end.get(rank, float("inf")), float(m.group(1)))
         elif m := _P_MAXTOK.search(line):
             p.max_total_num_tokens = int(m.group(1))
-            if not graph_end:  # graphs disabled: the memory left after the pools is the headroom
-                avail = float(m.group(2))
+            if not graph_end and m.group(2) == "gpu":  # graphs disabled: what the pools left is the headroom
+                avail = float(m.group(3))
                 p.headroom_gib = avail if p.headroom_gib is None else min(p.headroom_gib, avail)
         elif _P_HTTP.search(line):
             p.phase = _later(p.phase, "http_up")

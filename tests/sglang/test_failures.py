@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import shutil
-import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tasks.server import LaunchFailed, ServerConfig, launch
+from tests.support.common import free_port, impostor_server
 from tests.support.sglang import DEADLINE_S, cpu_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -50,12 +54,49 @@ def test_config_json_without_model_type_is_model_not_found(tiny_model: Path, tmp
 
 
 def test_port_in_use_is_refused_before_anything_starts(tiny_model: Path, sglang_logs: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        cfg = cpu_config(tiny_model, port=taken.getsockname()[1])
-        exc = _launch_fails(cfg, sglang_logs)
+    port = free_port()
+    with impostor_server(port):  # another server whose /health_generate answers 200
+        exc = _launch_fails(cpu_config(tiny_model, port=port), sglang_logs)
     assert exc.failure.kind == "port_in_use"
-    assert exc.failure.evidence == f"127.0.0.1:{cfg.port} is already bound"
+    assert exc.failure.evidence.startswith(f"127.0.0.1:{port} is already in use by pid {os.getpid()} (")
     assert exc.exit_status is None
     assert not list(sglang_logs.iterdir())  # no server was started, so no log was written
+
+
+def test_a_200_from_another_server_on_the_port_fails_fast_instead_of_passing_readiness(
+        tiny_model: Path, sglang_logs: Path) -> None:
+    """The port is taken after the pre-check, before SGLang binds it: SGLang 0.5.23 would hang in
+    shutdown, and the other server's 200 must not pass for its readiness."""
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        started: list[int] = []
+
+        def take_the_port(pid: int, pgid: int) -> None:
+            started.append(pid)
+            stack.enter_context(impostor_server(port))
+
+        with pytest.raises(LaunchFailed) as info:
+            launch(cpu_config(tiny_model, port=port), "local", None, sglang_logs, deadline_s=DEADLINE_S,
+                   on_started=take_the_port)
+    exc = info.value
+    assert exc.failure.kind == "port_in_use"
+    assert exc.failure.evidence.startswith(f"127.0.0.1:{port} is held by pid {os.getpid()} (")
+    assert f"not by the launched server (pid {started[0]})" in exc.failure.evidence
+    assert not psutil.pid_exists(started[0]) or psutil.Process(started[0]).status() == psutil.STATUS_ZOMBIE
+    assert "fired up and ready to roll" not in Path(exc.log_path or "").read_text()
+
+
+def test_trust_remote_code_and_speculative_flags_reach_the_real_server_args(tiny_model: Path,
+                                                                            sglang_logs: Path) -> None:
+    """[server] trust_remote_code and speculative_* end in SGLang's own parsed server_args. NGRAM
+    needs sgl_kernel, which the CPU build lacks, so the scheduler then fails: not about memory."""
+    cfg = cpu_config(tiny_model, trust_remote_code=True, speculative_algorithm="NGRAM",
+                     speculative_num_draft_tokens=4)
+    exc = _launch_fails(cfg, sglang_logs)
+    log = Path(exc.log_path or "").read_text()
+    args = re.search(r"server_args=(\{.*\})", log)
+    assert args is not None
+    for said in ("'trust_remote_code': True", "'speculative_algorithm': 'NGRAM'",
+                 "'speculative_num_draft_tokens': 4"):
+        assert said in args.group(1)
+    assert exc.failure.kind not in ("too_low", "too_high", "kv_pool_exhausted")

@@ -263,6 +263,54 @@ def test_progress_reads_speculative_graphs_and_ep_rank_prefixes():
     assert p.phase == "cuda_graph" and p.headroom_gib == 8.20 and p.ranks_reported == 2
 
 
+# SGLang 0.5.23's own forms (cuda_graph_setup.py, eagle_worker_v2.py, uno_worker_v2.py and the
+# scheduler's logger prefix with data, tensor and expert parallel ranks).
+SPECULATIVE_0523_LOG = """\
+[2026-12-01 10:00:10 DP0 TP0 EP0] Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=4, avail mem=9.10 GB
+[2026-12-01 10:00:20 DP0 TP0 EP0] Capture target verify CUDA graph end. bs=[1, 2, 4, 8], elapsed=9.90 s, mem usage=0.40 GB, avail mem=8.80 GB.
+[2026-12-01 10:00:20 DP0 TP3 EP3] Capture target verify CUDA graph end. bs=[1, 2, 4, 8], elapsed=9.90 s, mem usage=0.40 GB, avail mem=8.70 GB.
+[2026-12-01 10:00:21 DP0 TP0 EP0] Capture draft decode CUDA graph begin. backend=fa3, num_tokens_per_req=1, bs=[1, 2], avail mem=8.80 GB
+[2026-12-01 10:00:25 DP0 TP0 EP0] Capture draft decode CUDA graph end. elapsed=4.00 s, mem usage=0.20 GB, avail mem=8.60 GB.
+[2026-12-01 10:00:26 DP0 TP0 EP0] Capture UNO tree draft CUDA graph end. elapsed=1.00 s, mem usage=0.10 GB, avail mem=8.50 GB.
+[2026-12-01 10:00:27 DP0 TP0 EP0] Capture Frozen-KV MTP draft cuda graph end.
+"""
+
+
+def test_progress_reads_sglang_0523_speculative_graphs_with_dp_tp_ep_prefixes():
+    p = parse_progress(SPECULATIVE_0523_LOG.splitlines()[0])
+    assert p.phase == "cuda_graph"
+    p = parse_progress(SPECULATIVE_0523_LOG)
+    assert p.phase == "cuda_graph" and p.headroom_gib == 8.50 and p.ranks_reported == 2
+
+
+@pytest.mark.parametrize("device", ["NPU", "XPU", "CPU"])
+def test_progress_reads_graph_lines_of_other_devices(device):
+    p = parse_progress(f"[2026-12-01 10:00:10 TP0] Capture target decode {device} graph begin. backend=full, "
+                       "num_tokens_per_req=1, avail mem=30.00 GB\n"
+                       f"[2026-12-01 10:00:12 TP0] Capture target decode {device} graph end. bs=[1], elapsed=2.00 s, "
+                       "mem usage=1.00 GB, avail mem=29.00 GB.")
+    assert p.phase == "cuda_graph" and p.headroom_gib == 29.0
+
+
+# Real SGLang 0.5.23 on CPU (tests/sglang's tiny model): host memory is no GPU headroom.
+CPU_LOG = """\
+[2026-12-01 07:18:58] Load weight begin. avail mem=21.76 GB
+[2026-12-01 07:18:58] Load weight end. elapsed=0.02 s, type=Qwen3ForCausalLM, avail mem=21.76 GB, mem usage=-0.00 GB.
+[2026-12-01 07:18:58] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4096, K size: 0.00 GB, V size: 0.00 GB
+[2026-12-01 07:18:58] Memory pool end. avail mem=21.74 GB
+[2026-12-01 07:18:58] max_total_num_tokens=4096, chunked_prefill_size=4096, max_prefill_tokens=16384, max_running_requests=2048, context_len=2048, available_cpu_mem=21.74 GB
+[2026-12-01 07:18:59] INFO:     Uvicorn running on http://127.0.0.1:31877 (Press CTRL+C to quit)
+"""
+
+
+def test_progress_reads_the_cpu_log_of_real_sglang():
+    p = parse_progress(CPU_LOG)
+    assert p.max_total_num_tokens == 4096 and p.kv_tokens == 4096
+    assert p.weights_gib == 0.0 and p.avail_after_weights_gib == 21.76
+    assert p.headroom_gib is None
+    assert p.phase == "http_up"
+
+
 def test_progress_without_graphs_uses_available_gpu_mem():
     p = parse_progress("max_total_num_tokens=1000, chunked_prefill_size=8192, available_gpu_mem=3.25 GB")
     assert p.headroom_gib == 3.25
