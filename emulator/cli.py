@@ -320,6 +320,7 @@ class Main:
 
 
 def _finish_args(args: argparse.Namespace, model: ModelInfo) -> None:
+    args.emu_max_running_requests_given = args.max_running_requests  # /server_info reports it as given
     if args.served_model_name is None:
         args.served_model_name = args.model_path
     if args.context_length is None:

@@ -388,6 +388,7 @@ def build_app(st: ServerState) -> web.Application:
         info.update({
             # The schedulers' handshake answer: "ready" whenever the HTTP side answers at all.
             "status": "ready",
+            "max_running_requests": st.args.emu_max_running_requests_given,
             "launch_command": " ".join(st.args.emu_launch_argv),
             "startup_time": st.started_at,
             "version": SGLANG_VERSION,

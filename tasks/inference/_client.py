@@ -163,15 +163,46 @@ def server_error_message(body: bytes) -> str:
 
 # Launch arguments that hold credentials (api_key, admin_api_key, ssl_keyfile_password, ...).
 _SECRET_FIELD = re.compile(r"api_key|password|secret|(^|_)token$", re.I)
+# The same arguments as flags in /server_info's launch_command (SGLang's sys.argv): their values.
+_SECRET_FLAG = re.compile(r"(--[\w-]*(?:api-key|password|secret|token)[\w-]*)(=|\s+)(\S+)", re.I)
+
+
+def _without_secrets(info: dict[str, Any], known: list[str]) -> dict[str, Any]:
+    """``info`` without its credential fields, and with their values (and ``known`` secrets)
+    replaced by *** wherever else they appear (``launch_command`` repeats the flags)."""
+    found = [str(v) for k, v in info.items() if _SECRET_FIELD.search(k) and isinstance(v, str) and v]
+    hide = sorted({*found, *(k for k in known if k)}, key=len, reverse=True)
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            value = _SECRET_FLAG.sub(r"\1\2***", value)
+            for secret in hide:
+                value = value.replace(secret, "***")
+            return value
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return value
+
+    return {k: clean(v) for k, v in info.items() if not _SECRET_FIELD.search(k)}
 
 
 def default_concurrency(server_info: dict[str, Any] | None) -> int:
-    """In-flight requests that keep the server's batch full: 2x max_running_requests, else 128.
+    """In-flight requests that keep the server's batch full: 2x its batch slots, else 128.
 
-    Twice the slots keeps SGLang's queue non-empty, so a finished slot is refilled at once rather
-    than after a client round trip; capped at 1024 to bound sockets and client memory.
+    The slots are ``max_running_requests`` when it was set at launch, else what the schedulers
+    resolved (``internal_states[*].effective_max_running_requests_per_dp``, summed over DP ranks):
+    SGLang reports ``max_running_requests`` as given, None by default. Twice the slots keeps
+    SGLang's queue non-empty, so a finished slot is refilled at once rather than after a client
+    round trip; capped at 1024 to bound sockets and client memory.
     """
-    mrr = (server_info or {}).get("max_running_requests")
+    info = server_info or {}
+    mrr = info.get("max_running_requests")
+    if not (isinstance(mrr, int) and mrr > 0):
+        states = info.get("internal_states")
+        per_dp = [s.get("effective_max_running_requests_per_dp") for s in states or [] if isinstance(s, dict)]
+        mrr = sum(n for n in per_dp if isinstance(n, int) and n > 0) if isinstance(states, list) else None
     if isinstance(mrr, int) and mrr > 0:
         return max(16, min(1024, 2 * mrr))
     return DEFAULT_CONCURRENCY
@@ -303,7 +334,7 @@ class GenerateClient:
         """``/server_info`` (or the older ``/get_server_info``) without its secrets, None when neither
         answers. SGLang reports its launch arguments there, the API key in plain text among them."""
         info = await self.get_json("/server_info") or await self.get_json("/get_server_info")
-        return None if info is None else {k: v for k, v in info.items() if not _SECRET_FIELD.search(k)}
+        return None if info is None else _without_secrets(info, [self.config.api_key or ""])
 
     async def _process_dead(self) -> bool:
         """True when ``server_alive`` says the server process is dead; False when alive, unknown

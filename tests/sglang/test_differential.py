@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
+from tasks.inference import default_concurrency
 from tasks.server import ServerConfig, ServerHandle, effective_fraction, launch, parse_progress, stop_server
 from tests.support.common import free_port
 from tests.support.emulator import DEMO_MODEL
@@ -94,9 +95,11 @@ def subject(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     watcher.start()
     try:
         handle = launch(cfg, "local", None, base / "logs", deadline_s=DEADLINE_S)
-    finally:
+    except BaseException:
         done.set()
-        watcher.join(10)
+        raise
+    finally:
+        watcher.join(30)  # after a launch that succeeded it sees the 200 too
     names = {}
     for pid in handle.member_pids:
         try:
@@ -217,7 +220,7 @@ def test_server_info_has_the_status_and_the_fields_datagen_reads(subject: Subjec
     assert info["status"] == "ready"
     assert (info["port"], info["host"], info["model_path"]) == (subject.cfg.port, "127.0.0.1", subject.cfg.model_path)
     assert info["api_key"] == subject.key  # in plain text: datagen must never store this answer raw
-    for k, t in {"version": str, "launch_command": str, "max_total_num_tokens": int, "max_running_requests": int,
+    for k, t in {"version": str, "launch_command": str, "max_total_num_tokens": int,
                  "served_model_name": str, "context_length": (int, type(None)), "tp_size": int,
                  "mem_fraction_static": float, "startup_time": float, "internal_states": list}.items():
         assert isinstance(info[k], t), (k, info[k])
@@ -225,6 +228,10 @@ def test_server_info_has_the_status_and_the_fields_datagen_reads(subject: Subjec
     state = info["internal_states"][0]
     assert isinstance(state["memory_usage"], dict) and isinstance(state["last_gen_throughput"], float)
     assert isinstance(state["effective_max_running_requests_per_dp"], int)
+    # Not set at launch: reported as None, the resolved slots per DP rank in internal_states.
+    assert info["max_running_requests"] is None
+    slots = state["effective_max_running_requests_per_dp"]
+    assert default_concurrency(info) == max(16, min(1024, 2 * slots))
 
 
 def test_model_info_has_the_identity_fields(subject: Subject) -> None:

@@ -52,7 +52,7 @@ def test_transports_agree_and_4xx_is_not_retried(sim_gpus, emulator_factory):
         assert default_concurrency(info) == 64
         assert res.rid == f"row-{t}" and res.meta_info["id"] == f"row-{t}"
         assert res.finish_reason in ("stop", "length") and res.completion_tokens > 0 and res.prompt_tokens > 0
-        assert bad.status == 400 and "temperature must be non-negative" in bad.message
+        assert bad.status == 400 and "temperature must be a non-negative finite number" in bad.message
         assert long.status == 400 and "longer than the model's context length" in long.message
         assert stats.requests == 3 and stats.retries == 0  # neither 400 was retried
 
@@ -95,6 +95,11 @@ def test_error_messages_and_default_concurrency():
     assert server_error_message(b"plain text") == "plain text"
     assert default_concurrency(None) == 128 and default_concurrency({"max_running_requests": 4}) == 16
     assert default_concurrency({"max_running_requests": 2048}) == 1024
+    # SGLang reports max_running_requests as given (None by default); its schedulers' resolved slots
+    # are in internal_states, one entry per DP rank.
+    states = [{"effective_max_running_requests_per_dp": 24}, {"effective_max_running_requests_per_dp": 24}]
+    assert default_concurrency({"max_running_requests": None, "internal_states": states}) == 96
+    assert default_concurrency({"max_running_requests": None, "internal_states": []}) == 128
     with pytest.raises(ValueError, match="transport"):
         ClientConfig(transport="curl")  # type: ignore[arg-type]
 
@@ -189,3 +194,5 @@ def test_server_info_never_carries_the_api_key(sim_gpus, emulator_factory):
     info = _run(go())
     assert info is not None and info["max_running_requests"] == 32 and "max_total_num_tokens" in info
     assert "api_key" not in info and secret not in json.dumps(info)
+    # launch_command repeats the flag (SGLang reports its sys.argv, where the bootstrap put the key)
+    assert f"--api-key {secret}" in raw["launch_command"] and "--api-key ***" in info["launch_command"]
