@@ -24,6 +24,8 @@ from emulator.profile import ModelInfo, load_model
 
 __all__ = ["build_parser", "main"]
 
+_STARTED = time.monotonic()  # /server_info's tokenizer_e2e startup timing counts from here
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The launch_server flags datagen may pass, plus the emulator's own ``--emu-*`` flags."""
@@ -265,7 +267,7 @@ class Main:
             args=a, model=self.model, fmt=format_for_model(self.model.model_type, self.model.architecture),
             engine=engine, context_length=a.context_length,
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
-            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None, started_at=time.time(),
+            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None, startup_s=time.monotonic() - _STARTED,
         )
         self.state = st
         for c in self.children:

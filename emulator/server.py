@@ -51,7 +51,13 @@ class ServerState:
     generate_count: int = 0
     rng_503: random.Random | None = None
     template: Any = None
-    started_at: float = 0.0  # time.time() when serving began, as /server_info's startup_time
+    startup_s: float = 0.0  # from the start of the main process until it served
+
+
+def _graphs(decode: float) -> dict[str, float]:
+    """SGLang's per-graph figures (timings or GB): the emulator captures the decode graph only."""
+    return {"prefill": 0.0, "decode": decode, "target_verify": 0.0, "draft_prefill": 0.0, "draft_decode": 0.0,
+            "draft_extend": 0.0}
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -390,7 +396,12 @@ def build_app(st: ServerState) -> web.Application:
             "status": "ready",
             "max_running_requests": st.args.emu_max_running_requests_given,
             "launch_command": " ".join(st.args.emu_launch_argv),
-            "startup_time": st.started_at,
+            # SGLang's startup timings (s), per phase.
+            "startup_time": {
+                "load_weight": float(st.args.emu_load_time), "kv_cache_allocation": 0.0,
+                "scheduler_e2e": float(st.args.emu_load_time + st.args.emu_graph_time),
+                "cuda_graph": _graphs(decode=float(st.args.emu_graph_time)), "tokenizer_e2e": st.startup_s,
+            },
             "version": SGLANG_VERSION,
             "max_total_num_tokens": st.memory["kv_tokens"],
             "emulator": True,
@@ -399,8 +410,10 @@ def build_app(st: ServerState) -> web.Application:
                 "memory_usage": {
                     "weight": round(st.memory["weights"], 2),
                     "kvcache": round(st.memory["kv"], 2),
+                    "startup_available": round(st.memory["headroom"] + st.memory["graph"], 2),
                     "token_capacity": st.memory["kv_tokens"],
-                    "graph": round(st.memory["graph"], 2),
+                    "token_capacity_swa": None,
+                    "graph": _graphs(decode=round(st.memory["graph"], 2)),
                 },
                 "effective_max_running_requests_per_dp": st.args.max_running_requests,
                 "avail_gpu_mem_gb": round(st.memory["headroom"], 2),

@@ -127,7 +127,8 @@ def test_info_endpoints(client: httpx.Client, em: EmulatorProc) -> None:
         assert si["port"] == em.port and si["tp_size"] == 1 and si["mem_fraction_static"] == 0.88
         assert si["max_total_num_tokens"] == 298425
         state = si["internal_states"][0]
-        assert set(state["memory_usage"]) == {"weight", "kvcache", "token_capacity", "graph"}
+        assert set(state["memory_usage"]) == {"weight", "kvcache", "startup_available", "token_capacity",
+                                              "token_capacity_swa", "graph"}
         assert state["memory_usage"]["token_capacity"] == 298425
         assert "last_gen_throughput" in state
     models = client.get("/v1/models").json()

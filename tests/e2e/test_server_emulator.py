@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import subprocess
@@ -29,7 +28,7 @@ from tasks.server import (
     stop_server,
 )
 from tasks.targets import run_command
-from tests.support.common import free_port, impostor_server, pid_alive
+from tests.support.common import PortTaker, free_port, impostor_server, pid_alive
 from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -242,21 +241,14 @@ def test_readiness_refuses_a_200_from_another_process_on_the_port(sim_gpus, star
     """The port is free at the pre-check and taken before the server binds it: the impostor's 200
     must not pass for the launched server's."""
     port = free_port()
-    with contextlib.ExitStack() as stack:
-        pids: list[int] = []
-
-        def on_started(pid: int, pgid: int) -> None:
-            pids.append(pid)
-            stack.enter_context(impostor_server(port))
-
-        with pytest.raises(LaunchFailed) as ei:
-            launch(cfg_for(port, "--emu-load-time", "2"), "local", 0.88, tmp_path / "logs", deadline_s=30,
-                   on_started=on_started)
+    with PortTaker(port) as taker, pytest.raises(LaunchFailed) as ei:
+        launch(cfg_for(port, "--emu-load-time", "2"), "local", 0.88, tmp_path / "logs", deadline_s=30,
+               on_started=taker)
     e = ei.value
     assert e.failure.kind == "port_in_use"
     assert e.failure.evidence.startswith(f"127.0.0.1:{port} is held by pid {os.getpid()} (")
-    assert f"not by the launched server (pid {pids[0]})" in e.failure.evidence
-    assert not pid_alive(pids[0])  # the launched group was killed
+    assert f"not by the launched server (pid {taker.pids[0]})" in e.failure.evidence
+    assert not pid_alive(taker.pids[0])  # the launched group was killed
 
 
 @pytest.mark.slow

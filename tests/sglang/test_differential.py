@@ -27,7 +27,7 @@ from tasks.inference import default_concurrency
 from tasks.server import ServerConfig, ServerHandle, effective_fraction, launch, parse_progress, stop_server
 from tests.support.common import free_port
 from tests.support.emulator import DEMO_MODEL
-from tests.support.sglang import DEADLINE_S, cpu_config
+from tests.support.sglang import DEADLINE_S, cpu_config, watch_health
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -58,22 +58,6 @@ def _auth(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _watch_health(url: str, seen: list[str], done: threading.Event) -> None:
-    with httpx.Client(trust_env=False) as client:
-        while not done.is_set():
-            try:
-                outcome = str(client.get(url + "/health_generate", timeout=5.0).status_code)
-            except httpx.ConnectError:
-                outcome = "refused"
-            except httpx.TransportError:
-                outcome = "timeout"
-            if not seen or seen[-1] != outcome:
-                seen.append(outcome)
-            if outcome == "200":
-                return
-            done.wait(0.05)
-
-
 def _config(kind: str, request: pytest.FixtureRequest, base: Path, key: str) -> ServerConfig:
     if kind == "sglang":
         return cpu_config(request.getfixturevalue("tiny_model"), api_key=key)
@@ -91,7 +75,7 @@ def subject(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     cfg = _config(kind, request, base, key)
     health: list[str] = []
     done = threading.Event()
-    watcher = threading.Thread(target=_watch_health, args=(cfg.url, health, done), daemon=True)
+    watcher = threading.Thread(target=watch_health, args=(cfg.url, health, done), daemon=True)
     watcher.start()
     try:
         handle = launch(cfg, "local", None, base / "logs", deadline_s=DEADLINE_S)
@@ -222,11 +206,18 @@ def test_server_info_has_the_status_and_the_fields_datagen_reads(subject: Subjec
     assert info["api_key"] == subject.key  # in plain text: datagen must never store this answer raw
     for k, t in {"version": str, "launch_command": str, "max_total_num_tokens": int,
                  "served_model_name": str, "context_length": (int, type(None)), "tp_size": int,
-                 "mem_fraction_static": float, "startup_time": float, "internal_states": list}.items():
+                 "mem_fraction_static": float, "startup_time": dict, "internal_states": list}.items():
         assert isinstance(info[k], t), (k, info[k])
     assert f"--port {subject.cfg.port}" in info["launch_command"]
+    graphs = {"prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"}
+    assert set(info["startup_time"]) == {"load_weight", "kv_cache_allocation", "scheduler_e2e", "cuda_graph",
+                                         "tokenizer_e2e"}
+    assert set(info["startup_time"]["cuda_graph"]) == graphs
     state = info["internal_states"][0]
-    assert isinstance(state["memory_usage"], dict) and isinstance(state["last_gen_throughput"], float)
+    assert isinstance(state["last_gen_throughput"], float)
+    memory = state["memory_usage"]
+    assert set(memory) == {"weight", "kvcache", "startup_available", "token_capacity", "token_capacity_swa", "graph"}
+    assert memory["token_capacity"] == info["max_total_num_tokens"] and set(memory["graph"]) == graphs
     assert isinstance(state["effective_max_running_requests_per_dp"], int)
     # Not set at launch: reported as None, the resolved slots per DP rank in internal_states.
     assert info["max_running_requests"] is None

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tasks.server import LaunchFailed, ServerConfig, launch
-from tests.support.common import free_port, impostor_server
+from tests.support.common import PortTaker, free_port, impostor_server, pid_alive
 from tests.support.sglang import DEADLINE_S, cpu_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -68,21 +66,14 @@ def test_a_200_from_another_server_on_the_port_fails_fast_instead_of_passing_rea
     """The port is taken after the pre-check, before SGLang binds it: SGLang 0.5.23 would hang in
     shutdown, and the other server's 200 must not pass for its readiness."""
     port = free_port()
-    with contextlib.ExitStack() as stack:
-        started: list[int] = []
-
-        def take_the_port(pid: int, pgid: int) -> None:
-            started.append(pid)
-            stack.enter_context(impostor_server(port))
-
-        with pytest.raises(LaunchFailed) as info:
-            launch(cpu_config(tiny_model, port=port), "local", None, sglang_logs, deadline_s=DEADLINE_S,
-                   on_started=take_the_port)
+    with PortTaker(port) as taker, pytest.raises(LaunchFailed) as info:
+        launch(cpu_config(tiny_model, port=port), "local", None, sglang_logs, deadline_s=DEADLINE_S,
+               on_started=taker)
     exc = info.value
     assert exc.failure.kind == "port_in_use"
     assert exc.failure.evidence.startswith(f"127.0.0.1:{port} is held by pid {os.getpid()} (")
-    assert f"not by the launched server (pid {started[0]})" in exc.failure.evidence
-    assert not psutil.pid_exists(started[0]) or psutil.Process(started[0]).status() == psutil.STATUS_ZOMBIE
+    assert f"not by the launched server (pid {taker.pids[0]})" in exc.failure.evidence
+    assert not pid_alive(taker.pids[0])
     assert "fired up and ready to roll" not in Path(exc.log_path or "").read_text()
 
 

@@ -25,7 +25,7 @@ import pytest
 from tasks.config import ConfigError, load_partition
 from tasks.inference import ClientConfig, GenerateClient, GenerateResult, PromptTooLong, RequestRejected
 from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
-from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config
+from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -42,22 +42,6 @@ class Live:
     cmdlines: dict[int, str] = field(default_factory=dict)  # every group member at readiness
 
 
-def _watch_health(url: str, seen: list[str], done: threading.Event) -> None:
-    with httpx.Client(trust_env=False) as client:
-        while not done.is_set():
-            try:
-                outcome = str(client.get(url + "/health_generate", timeout=5.0).status_code)
-            except httpx.ConnectError:
-                outcome = "refused"
-            except httpx.TransportError:
-                outcome = "timeout"
-            if not seen or seen[-1] != outcome:
-                seen.append(outcome)
-            if outcome == "200":
-                return
-            done.wait(0.1)
-
-
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     base = tmp_path_factory.mktemp("sglang-live")
@@ -65,7 +49,7 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cfg = cpu_config(tiny_model, api_key=key, reasoning_parser="qwen3")
     health: list[str] = []
     done = threading.Event()
-    watcher = threading.Thread(target=_watch_health, args=(cfg.url, health, done), daemon=True)
+    watcher = threading.Thread(target=watch_health, args=(cfg.url, health, done), daemon=True)
     watcher.start()
     memory_file = base / "fractions.json"
     try:

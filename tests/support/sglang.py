@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tasks.server import ServerConfig
@@ -56,6 +58,24 @@ def cpu_config(model_path: str | Path, **kw: Any) -> ServerConfig:
         model_path=str(model_path), host="127.0.0.1", port=kw.pop("port", None) or free_port(),
         python=str(python), extra_args=CPU_ARGS + extra, **kw,
     )
+
+
+def watch_health(url: str, seen: list[str], done: threading.Event) -> None:
+    """Poll ``url``/health_generate until it answers 200 or ``done`` is set, appending each new
+    outcome ("refused", "timeout" or the status code) to ``seen`` (repeats folded)."""
+    with httpx.Client(trust_env=False) as client:
+        while not done.is_set():
+            try:
+                outcome = str(client.get(url + "/health_generate", timeout=5.0).status_code)
+            except httpx.ConnectError:
+                outcome = "refused"
+            except httpx.TransportError:
+                outcome = "timeout"
+            if not seen or seen[-1] != outcome:
+                seen.append(outcome)
+            if outcome == "200":
+                return
+            done.wait(0.05)
 
 
 @pytest.fixture(scope="session")
