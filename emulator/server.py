@@ -165,6 +165,10 @@ def _make_req(
     refused = _length_error(st, n_prompt, sp.get("max_new_tokens", 128))
     if refused is not None:
         return _json({"error": {"message": refused}}, 400)
+    low, high = sp.get("min_new_tokens", 0), sp.get("max_new_tokens", 128)
+    if isinstance(low, int) and isinstance(high, int) and not 0 <= low <= high:  # SamplingParams.verify, after
+        return _json({"error": {"message": f"min_new_tokens must be in [0, max_new_tokens({high})], got {low}."}},
+                     400)
     stop = sp.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
