@@ -153,7 +153,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
 
     sampling = check_sampling(table(data, "sampling", f), f)
-    truncation = _check_truncation(table(run, "truncation", f), f, sampling)
+    truncation = _check_truncation(run.get("truncation", {}), f, sampling)
     validation = _check_validation(table(data, "validation", f), f)
 
     output = table(data, "output", f)
@@ -189,8 +189,10 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     return cfg
 
 
-def _check_truncation(values: dict[str, Any], f: str, sampling: dict[str, Any]) -> dict[str, Any]:
+def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> dict[str, Any]:
     """``[run.truncation]``: the fields of tasks.inference.TruncationPolicy."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{f}: run.truncation: must be a table (retries, factor, max_new_tokens)")
     no_unknown(values, _TRUNCATION_KEYS, f, "run.truncation.")
     out: dict[str, Any] = {}
     if "retries" in values:

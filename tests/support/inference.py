@@ -92,20 +92,24 @@ def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
 
 DRIVER = """
 import json, sys
-from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, TruncationPolicy, run_dataset
 a = json.loads(sys.argv[1])
 settings = InferenceSettings(model_dir=a["model"], shard_size=a["shard"], concurrency=a["conc"],
-                             sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
-                             client=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+                             sampling=a["sampling"], run_info={"flow_run": a.get("flow_run")},
+                             client=ClientConfig(max_attempts=3, backoff_base_s=0.02),
+                             truncation=TruncationPolicy(**a["truncation"]))
 r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], Endpoint(a["url"], "test-server"), settings)
 print(json.dumps(r.to_dict()), flush=True)
 """
 
 
-def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
-                 flow_run: str | None = None) -> subprocess.Popen[bytes]:
+def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32, flow_run: str | None = None,
+                 sampling: dict[str, Any] | None = None,
+                 truncation: dict[str, Any] | None = None) -> subprocess.Popen[bytes]:
+    """``run_dataset`` in a child process (``truncation``: TruncationPolicy's fields)."""
     args = json.dumps({"input": str(inp), "out": str(out), "url": url, "model": str(DEMO_MODEL),
-                       "shard": shard, "conc": conc, "flow_run": flow_run})
+                       "shard": shard, "conc": conc, "flow_run": flow_run,
+                       "sampling": sampling or {"max_new_tokens": 64}, "truncation": truncation or {}})
     return subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=str(REPO), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
