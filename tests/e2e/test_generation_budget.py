@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 import pyarrow.parquet as pq
+import pytest
 
-from tasks.inference import TruncationPolicy
+from tasks.inference import ServerGone, TruncationPolicy
 from tasks.shards import OutputDir
 from tasks.validation import validate_output
 from tests.support.inference import EMU_ARGS, assert_exactly_once, metrics, rows_on_disk, run, start_driver
@@ -131,3 +132,28 @@ def test_kill_9_during_a_regeneration_then_resume_stores_each_row_once(
     assert_exactly_once(out, ids)
     rows = _stored(out)
     assert all(row["max_new_tokens"] == (200 if row["truncation_retries"] else 2) for row in rows.values())
+
+
+def test_rows_journaled_by_an_older_datagen_commit_with_the_budget_they_were_generated_with(
+        tmp_path, sim_gpus, emulator_factory):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = _write(inp, [f"question number {i}" for i in range(6)])
+    crashing = emulator_factory(EMU_ARGS + ["--emu-crash-after", "3"], wait_ready=True)
+    with pytest.raises(ServerGone):
+        run(inp, out, crashing.url, shard=8, concurrency=1, sampling={"max_new_tokens": 64})
+    crashing.wait_exit(timeout=15)
+    journal = OutputDir(out).journal_path("ds", 0)
+    old = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert len(old) == 3 and all(rec["max_new_tokens"] == 64 for rec in old)
+    budget = ("max_new_tokens", "budget_capped", "truncation_retries", "truncation_policy")
+    journal.write_text("".join(json.dumps({k: v for k, v in rec.items() if k not in budget}) + "\n" for rec in old))
+    r = run(inp, out, emulator_factory(EMU_ARGS).url, shard=8, sampling={"max_new_tokens": 64},
+            truncation=TruncationPolicy(retries=1))
+    assert (r.rows_resumed, r.rows_generated) == (3, 3)
+    assert_exactly_once(out, ids)
+    rows = _stored(out)
+    for rec in old:
+        row = rows[rec["id"]]
+        assert row["raw"] == rec["raw"]
+        assert (row["max_new_tokens"], row["budget_capped"], row["truncation_retries"], row["truncation_policy"]) == (
+            64, False, 0, None)
