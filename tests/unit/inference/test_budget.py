@@ -4,15 +4,13 @@ capping ``max_new_tokens`` against the emulator."""
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
-import threading
 
 import pytest
 
 from tasks.inference import ClientConfig, ContextOverflow, GenerateClient, PromptTooLong, TruncationPolicy
 from tasks.inference._budget import capped_sampling
-from tests.support.inference import EMU_ARGS, FAST_CLIENT
+from tests.support.inference import EMU_ARGS, FAST_CLIENT, canned_server
 
 # What SGLang 0.5.23 answered on CPU (tests/sglang) for a 1,010-token prompt with max_new_tokens 2000.
 REAL_MESSAGE = (
@@ -101,34 +99,13 @@ def test_client_caps_max_new_tokens_to_the_room_the_server_names(sim_gpus, emula
 def test_client_gives_up_when_the_capped_request_is_refused_again() -> None:
     """A server that keeps answering over-budget (it should not) makes the row a reject, not a loop."""
     body = json.dumps({"error": {"message": REAL_MESSAGE}}).encode()
-    seen: list[dict] = []
+    seen: list[bytes] = []
 
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(400)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-
-    async def go():
-        async with GenerateClient(f"http://127.0.0.1:{srv.server_port}", ClientConfig(max_attempts=3)) as c:
+    async def go(url):
+        async with GenerateClient(url, ClientConfig(max_attempts=3)) as c:
             await c.generate("x", {"max_new_tokens": 2000}, rid="r")
 
-    try:
-        with pytest.raises(PromptTooLong) as info:
-            asyncio.run(go())
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(5)
+    with canned_server(400, body, seen) as url, pytest.raises(PromptTooLong) as info:
+        asyncio.run(go(url))
     assert info.value.message == REAL_MESSAGE
-    assert [s["sampling_params"]["max_new_tokens"] for s in seen] == [2000, 1038]
+    assert [json.loads(s)["sampling_params"]["max_new_tokens"] for s in seen] == [2000, 1038]
