@@ -18,10 +18,12 @@ import orjson
 
 __all__ = ["ContextOverflow", "TruncationPolicy", "capped_sampling"]
 
-# SGLang's tokenizer manager (0.5.x), when the prompt fits but prompt + max_new_tokens does not.
+# SGLang's tokenizer manager (0.5.x), when the prompt fits but prompt + max_new_tokens does not. Proxies
+# in front of it have been seen to print the counts as floats ("524288.0"): accepted.
+_N = r"(\d+)(?:\.0+)?"
 _OVERFLOW = re.compile(
-    r"maximum context length of (\d+) tokens\. You requested a total of (\d+) tokens: (\d+) tokens from "
-    r"the input messages and (\d+) tokens for the completion"
+    rf"maximum context length of {_N} tokens\. You requested a total of {_N} tokens: {_N} tokens from "
+    rf"the input messages and {_N} tokens for the completion"
 )
 
 

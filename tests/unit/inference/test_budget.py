@@ -24,6 +24,8 @@ def test_the_over_budget_message_gives_the_room_the_prompt_leaves() -> None:
     over = ContextOverflow.parse(REAL_MESSAGE)
     assert over == ContextOverflow(context_length=2048, total_tokens=3010, input_tokens=1010, max_new_tokens=2000)
     assert over.room == 1038
+    floats = REAL_MESSAGE.replace("2000 tokens for", "2000.0 tokens for").replace("3010", "3010.0")
+    assert ContextOverflow.parse(floats) == over
     for other in ("The input (3000 tokens) is longer than the model's context length (2048 tokens).",
                   "Input length (2043 tokens) exceeds the maximum allowed length (2042 tokens). Use a shorter "
                   "input or enable --allow-auto-truncate.", "unknown field 'seed'", ""):
