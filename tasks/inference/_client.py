@@ -409,7 +409,7 @@ class GenerateClient:
                     over = ContextOverflow.parse(message)
                     if over is not None and not capped and 1 <= over.room < over.max_new_tokens:
                         self.context_length = over.context_length
-                        sampling_params = capped_sampling(dict(sampling_params), over.room)
+                        sampling_params = capped_sampling(sampling_params, over.room)
                         body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
                         capped = resend = True
                         continue
