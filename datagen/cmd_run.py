@@ -99,6 +99,9 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, help="GPUs the launched server uses (tensor parallel size)")
     p.add_argument("--mem-fraction-static", type=float, help="where the tuner starts")
     p.add_argument("--reasoning-parser", help="SGLang reasoning parser name (default: the partition's / the model's)")
+    p.add_argument("--truncation-retries", type=int, metavar="N",
+                   help="generate rows that finish by length again, up to N times, with a larger budget "
+                   "(run.truncation; 0: never)")
     return p
 
 

@@ -170,6 +170,31 @@ def _check_params(sp: dict[str, Any]) -> str | None:
     return None
 
 
+def _max_req_len(st: ServerState) -> int:
+    """SGLang's per-request token limit: the context and the KV pool, less one."""
+    kv = int(st.memory.get("kv_tokens") or 0)
+    return min(st.context_length - 1, kv - 1) if kv > 0 else st.context_length - 1
+
+
+def _length_error(st: ServerState, n_prompt: int, max_new_tokens: int | None) -> str | None:
+    """SGLang's 400 message for a request that does not fit (None: it fits), checked in its order:
+    the tokenizer manager's prompt and prompt + budget checks, then the scheduler's input limit
+    (its request limit less 5), which it answers as an abort with status 400."""
+    context = st.context_length
+    if n_prompt >= context:
+        return f"The input ({n_prompt} tokens) is longer than the model's context length ({context} tokens)."
+    if max_new_tokens is not None and max_new_tokens + n_prompt > context:
+        return (f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {max_new_tokens + n_prompt} tokens: {n_prompt} tokens from the "
+                f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number "
+                f"of tokens in the input messages or the completion to fit within the limit.")
+    limit = _max_req_len(st) - 5
+    if n_prompt >= limit:
+        return (f"Input length ({n_prompt} tokens) exceeds the maximum allowed length ({limit} tokens). "
+                f"Use a shorter input or enable --allow-auto-truncate.")
+    return None
+
+
 def _make_req(
     st: ServerState, prompt: str | None, ids: list[int] | None, sp: dict[str, Any], rid: str | None, sample: int
 ) -> Req | web.Response:
@@ -180,19 +205,19 @@ def _make_req(
         assert ids is not None
         n_prompt = len(ids)
         key = tuple(ids)
-    if n_prompt >= st.context_length:
-        return _json(
-            {"error": {"message": f"The input ({n_prompt} tokens) is longer than the model's context length "
-                                  f"({st.context_length} tokens)."}},
-            400,
-        )
+    refused = _length_error(st, n_prompt, sp.get("max_new_tokens", 128))
+    if refused is not None:
+        return _json({"error": {"message": refused}}, 400)
+    low, high = sp.get("min_new_tokens", 0), sp.get("max_new_tokens", 128)
+    if isinstance(low, int) and isinstance(high, int) and not 0 <= low <= high:  # SamplingParams.verify, after
+        return _json({"error": {"message": f"min_new_tokens must be in [0, max_new_tokens({high})], got {low}."}},
+                     400)
     stop = sp.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     mnt = sp.get("max_new_tokens", 128)
-    if mnt is None:
-        mnt = st.context_length - n_prompt
-    mnt = min(int(mnt), st.context_length - n_prompt)
+    # The scheduler's silent bound (init_req_max_new_tokens): one slot short of its request limit.
+    mnt = min(1 << 30 if mnt is None else int(mnt), _max_req_len(st) - n_prompt - 1)
     seed_parts = (st.args.emu_seed, sp.get("sampling_seed"), sample if float(sp.get("temperature", 1.0)) > 0 else 0)
     fmt = st.fmt
     tail = prompt.rstrip() if prompt is not None else ""

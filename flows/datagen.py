@@ -62,14 +62,15 @@ def datagen(
     tp_size: int | None = None,
     mem_fraction_static: float | None = None,
     reasoning_parser: str | None = None,
+    truncation_retries: int | None = None,
 ) -> dict[str, Any]:
     """Generate a partition's datasets.
 
     Args:
         partition: a name in deployments/ or a TOML path.
         inputs, model_path, out, backend, server_url, shard_size, concurrency, tp_size,
-            mem_fraction_static, reasoning_parser: override the partition config (``tasks.config.Overrides``; see
-            ``datagen run --help``).
+            mem_fraction_static, reasoning_parser, truncation_retries: override the partition config
+            (``tasks.config.Overrides``; see ``datagen run --help``).
 
     Raises:
         ConfigError, OutputLocked, LaunchFailed, ValidationFailed, InputChanged: as named.

@@ -310,9 +310,11 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint, progre
     if result.recovered.get("rebuilt_shards"):
         logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "
                        "slice and was recorded again", spec.name, result.recovered["rebuilt_shards"], out_dir)
-    logger.info("dataset %s on %s: %d shards committed (%d now, %d resumed), %d rows generated in %.1f s",
+    logger.info("dataset %s on %s: %d shards committed (%d now, %d resumed), %d rows generated in %.1f s "
+                "(%d with max_new_tokens capped to the context, %d generations again after a length finish)",
                 spec.name, ctx.host, summary["shards_committed"], summary["shards_committed_now"],
-                summary["shards_skipped"], summary["rows_generated"], time.monotonic() - t0)
+                summary["shards_skipped"], summary["rows_generated"], time.monotonic() - t0,
+                summary["rows_capped"], summary["truncation_retries"])
     return summary
 
 

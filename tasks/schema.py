@@ -27,6 +27,11 @@ ROW_SCHEMA = pa.schema(
         pa.field("think_in_prompt", pa.bool_(), nullable=False),  # the prompt opened the think block
         pa.field("generated_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("latency_s", pa.float64(), nullable=False),
+        # The generation budget of the stored answer, and how the row came to it.
+        pa.field("max_new_tokens", pa.int32(), nullable=True),  # budget sent (None: the server's default)
+        pa.field("budget_capped", pa.bool_(), nullable=False),  # lowered to fit the model's context
+        pa.field("truncation_retries", pa.int32(), nullable=False),  # regenerations after a length finish
+        pa.field("truncation_policy", pa.string(), nullable=True),  # JSON of the policy (None: off)
     ]
 )
 

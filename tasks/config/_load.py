@@ -7,6 +7,7 @@ project root (the parent of the ``deployments/`` folder holding it, else the fil
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -69,7 +70,9 @@ def list_partitions() -> list[str]:
 
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
-_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s"}
+_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
+             "truncation"}
+_TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
 _LAUNCH_KEYS = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
@@ -150,6 +153,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
 
     sampling = check_sampling(table(data, "sampling", f), f)
+    truncation = _check_truncation(run.get("truncation", {}), f, sampling)
     validation = _check_validation(table(data, "validation", f), f)
 
     output = table(data, "output", f)
@@ -174,6 +178,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
         sampling=sampling,
+        truncation=truncation,
         validation=validation,
         output_root=writable_dir(resolve_path(root, base), f, "output.root"),
         versioned=versioned,
@@ -182,6 +187,28 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     )
     check_launch(cfg, f)
     return cfg
+
+
+def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    """``[run.truncation]``: the fields of tasks.inference.TruncationPolicy."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{f}: run.truncation: must be a table (retries, factor, max_new_tokens)")
+    no_unknown(values, _TRUNCATION_KEYS, f, "run.truncation.")
+    out: dict[str, Any] = {}
+    if "retries" in values:
+        out["retries"] = nonneg_int(values["retries"], f, "run.truncation.retries")
+    if "factor" in values:
+        factor = values["factor"]
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1 < factor < math.inf:
+            raise ConfigError(f"{f}: run.truncation.factor: {factor!r} is not a number above 1")
+        out["factor"] = float(factor)
+    if "max_new_tokens" in values:
+        limit = out["max_new_tokens"] = positive_int(values["max_new_tokens"], f, "run.truncation.max_new_tokens")
+        first = sampling.get("max_new_tokens")
+        if isinstance(first, int) and limit <= first:
+            raise ConfigError(f"{f}: run.truncation.max_new_tokens: {limit} is not above sampling.max_new_tokens "
+                              f"({first}): no regeneration could have a larger budget")
+    return out
 
 
 def _check_validation(values: dict[str, Any], f: str) -> dict[str, Any]:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config._checks import ConfigError, fraction, input_file, parser_name, positive_int, writable_dir
+from tasks.config._checks import (
+    ConfigError,
+    fraction,
+    input_file,
+    nonneg_int,
+    parser_name,
+    positive_int,
+    writable_dir,
+)
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.targets import parse_target
@@ -101,6 +109,7 @@ class Overrides:
     tp_size: int | None = None
     mem_fraction_static: float | None = None
     reasoning_parser: str | None = None
+    truncation_retries: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -153,6 +162,8 @@ class PartitionConfig:
     concurrency: int = 32
     max_relaunches: int = 3  # server relaunches per run, one budget shared by all datasets
     sampling: Mapping[str, Any] = field(default_factory=dict)
+    # [run.truncation]: tasks.inference.TruncationPolicy's fields (retries, factor, max_new_tokens)
+    truncation: Mapping[str, Any] = field(default_factory=dict)
     validation: Mapping[str, Any] = field(default_factory=dict)
     output_root: Path = Path("data/out")
     versioned: bool = False
@@ -204,6 +215,9 @@ class PartitionConfig:
             launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
         if overrides.reasoning_parser is not None:
             changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
+        if overrides.truncation_retries is not None:
+            changes["truncation"] = {**self.truncation,
+                                     "retries": nonneg_int(overrides.truncation_retries, where, "truncation_retries")}
         try:
             server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
         except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override

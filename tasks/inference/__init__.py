@@ -6,6 +6,7 @@ shards, resuming what is on disk; ``Endpoint`` is the server, ``InferenceSetting
 
 from __future__ import annotations
 
+from tasks.inference._budget import ContextOverflow, TruncationPolicy
 from tasks.inference._client import (
     DEFAULT_CONCURRENCY,
     ClientConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "ClientConfig",
     "ClientError",
     "ClientStats",
+    "ContextOverflow",
     "DEFAULT_CONCURRENCY",
     "DatasetResult",
     "DatasetSpec",
@@ -44,6 +46,7 @@ __all__ = [
     "ServerGone",
     "ShardProgress",
     "Transport",
+    "TruncationPolicy",
     "check_resume",
     "default_concurrency",
     "external_fingerprint",

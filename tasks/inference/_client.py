@@ -10,6 +10,11 @@ Errors::
     ├── ServerGone         retries exhausted: the server stopped answering (carries the last error)
     └── RequestRejected    a 4xx the client must not retry (status, server message)
         └── PromptTooLong  the prompt exceeds the model's context length (the row goes to rejects)
+
+A prompt that fits but leaves less room than ``max_new_tokens`` is not an error: SGLang answers 400
+naming the context length and the prompt's tokens, and the client resends once with the budget
+that fits (``GenerateResult.capped``). Counting the tokens first (``/tokenize``) would cost every
+request a round trip; this costs one only to the requests that overflow.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import httpx
 import orjson
 
 from tasks.errors import DatagenError
+from tasks.inference._budget import ContextOverflow, capped_sampling
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -133,6 +139,8 @@ class GenerateResult:
     meta_info: dict[str, Any]
     latency_s: float
     attempts: int
+    max_new_tokens: int | None = None  # the budget sent for this answer (None: the server's default)
+    capped: bool = False  # max_new_tokens was lowered to fit the model's context
 
 
 @dataclass
@@ -233,6 +241,9 @@ class GenerateClient:
         self._alive_check: asyncio.Future[bool] | None = None
         self._alive_checked_at = 0.0
         self._known_dead = False
+        # The model's context length, once known (an over-budget answer names it; ``context_limit``).
+        self.context_length: int | None = None
+        self._context_asked: asyncio.Future[int | None] | None = None
         self.stats = ClientStats()
         self._httpx: httpx.AsyncClient | None = None
         self._aiohttp: aiohttp.ClientSession | None = None
@@ -336,6 +347,28 @@ class GenerateClient:
         info = await self.get_json("/server_info") or await self.get_json("/get_server_info")
         return None if info is None else _without_secrets(info, [self.config.api_key or ""])
 
+    async def context_limit(self) -> int | None:
+        """The model's context length: the one an over-budget answer named, else ``/v1/models``'s
+        ``max_model_len`` (asked once per client; SGLang's ``/server_info`` has ``context_length``
+        only when it was set at launch). None when the server reports none."""
+        if self.context_length is not None:
+            return self.context_length
+        if self._context_asked is None:
+            self._context_asked = asyncio.ensure_future(self._ask_context())
+        known = await asyncio.shield(self._context_asked)
+        if self.context_length is None:
+            self.context_length = known
+        return self.context_length
+
+    async def _ask_context(self) -> int | None:
+        models = await self.get_json("/v1/models") or {}
+        data = models.get("data")
+        for model in data if isinstance(data, list) else []:
+            limit = model.get("max_model_len") if isinstance(model, dict) else None
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                return limit
+        return None
+
     async def _process_dead(self) -> bool:
         """True when ``server_alive`` says the server process is dead; False when alive, unknown
         (no callable, or it raised) or still being checked by another request."""
@@ -360,19 +393,26 @@ class GenerateClient:
     async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:
         """Generate for one prompt with retries (module docstring).
 
-        Raises ``PromptTooLong`` (over-long prompt), ``RequestRejected`` (other 4xx), ``ServerGone``
-        (retries exhausted, or at the first transport error once ``server_alive`` says the process
-        is dead). An ``abort`` finish that persists through every attempt is returned.
+        A ``max_new_tokens`` the prompt leaves no room for is lowered to the room the server names,
+        and the request sent again at once (``GenerateResult.capped``).
+
+        Raises ``PromptTooLong`` (the prompt alone does not fit), ``RequestRejected`` (other 4xx),
+        ``ServerGone`` (retries exhausted, or at the first transport error once ``server_alive``
+        says the process is dead). An ``abort`` finish that persists through every attempt is
+        returned.
         """
         cfg = self.config
         body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
+        capped = False
         last = ""
         attempt = 0  # failures that count towards max_attempts
         overloaded = 0  # "queue is full" answers: the server is alive, just busy
+        resend = False  # the request was changed to fit: no failure to back off from
         while attempt < cfg.max_attempts:
-            if attempt or overloaded:
+            if (attempt or overloaded) and not resend:
                 self.stats.retries += 1
                 await asyncio.sleep(cfg.backoff_s(max(1, attempt + min(overloaded, 6))))
+            resend = False
             self.stats.requests += 1
             started = time.perf_counter()
             try:
@@ -397,13 +437,22 @@ class GenerateClient:
                     overloaded += 1
                     continue
                 if 400 <= status < 500 and not _DUPLICATE_RID.search(message):
+                    over = ContextOverflow.parse(message)
+                    if over is not None and not capped and 1 <= over.room < over.max_new_tokens:
+                        self.context_length = over.context_length
+                        sampling_params = capped_sampling(sampling_params, over.room)
+                        body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
+                        capped = resend = True
+                        continue
                     if _TOO_LONG.search(message):
                         raise PromptTooLong(status, message, rid)
                     raise RequestRejected(status, message, rid)
                 self.stats.count_error("duplicate_rid" if _DUPLICATE_RID.search(message) else f"http_{status}")
                 attempt += 1
                 continue
-            result = _parse_generate(rid, payload, latency, attempt + 1)
+            budget = sampling_params.get("max_new_tokens")
+            result = _parse_generate(rid, payload, latency, attempt + 1,
+                                     budget if isinstance(budget, int) else None, capped)
             if result.finish_reason == "abort":
                 message = str(result.finish_detail.get("message", ""))
                 if _TOO_LONG.search(message):
@@ -421,7 +470,8 @@ class GenerateClient:
         )
 
 
-def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int) -> GenerateResult:
+def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int, max_new_tokens: int | None,
+                    capped: bool) -> GenerateResult:
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
@@ -451,6 +501,8 @@ def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int) -
         meta_info=meta,
         latency_s=latency_s,
         attempts=attempts,
+        max_new_tokens=max_new_tokens,
+        capped=capped,
     )
 
 

@@ -120,6 +120,7 @@ async def run_dataset_async(
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
                 canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
+                truncation=settings.truncation,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)

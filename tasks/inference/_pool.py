@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.inference._client import GenerateClient, PromptTooLong
+from tasks.inference._budget import TruncationPolicy, capped_sampling
+from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, public_reject
 from tasks.prompts import Reject
@@ -82,6 +83,7 @@ class InferencePool:
         progress: Callable[[ShardProgress], Any] | None,
         result: DatasetResult,
         canary: tuple[int, Callable[[list[dict[str, Any]]], Any]] | None = None,
+        truncation: TruncationPolicy | None = None,
     ) -> None:
         self.spec = spec
         self.out = out
@@ -90,10 +92,11 @@ class InferencePool:
         self.concurrency = concurrency
         self.sampling = dict(sampling)  # as configured: the rows' `sampling` column
         self.request_sampling = request_sampling(self.sampling, reasoning_parser)  # what is sent
+        self.truncation = truncation or TruncationPolicy()
         self.rows = RowBuilder(
             dataset=spec.name, parser=reasoning_parser, model_name=model_name,
             sampling_json=RowBuilder.sampling_text(self.sampling), server_fingerprint=server_fingerprint,
-            template=template, template_kwargs=spec.template_kwargs,
+            template=template, template_kwargs=spec.template_kwargs, truncation_json=self.truncation.to_json(),
         )
         self.on_shard_committed = on_shard_committed
         self.progress = progress
@@ -143,7 +146,7 @@ class InferencePool:
         lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
         rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
                       key=lambda r: int(r.get("_pos", 0)))
-        rows = [self.rows.with_current_split(r) for r in rows]
+        rows = [self.rows.with_current_split(RowBuilder.with_budget(r)) for r in rows]
         rejects = [public_reject(r) for _, r in sorted(contents.rejects.items()) if lo <= _ < hi]
         if len(rows) + len(rejects) != shard.expected:
             raise RuntimeError(
@@ -272,8 +275,10 @@ class InferencePool:
                                      item.row.raw, row_id=item.row.id, status=exc.status)
                 self._account(shard, tg)
                 continue
-            row = self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res)
+            res, regenerated = await self._regenerate_truncated(item, res)
+            row = self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res, regenerated)
             shard.journal.append(row)
+            self.result.rows_capped += res.capped
             shard.generated += 1
             shard.prompt_tokens += res.prompt_tokens
             shard.completion_tokens += res.completion_tokens
@@ -282,3 +287,31 @@ class InferencePool:
             self.result.completion_tokens += res.completion_tokens
             self._account(shard, tg)
             self._feed_canary(row)
+
+    async def _regenerate_truncated(self, item: _Item, res: GenerateResult) -> tuple[GenerateResult, int]:
+        """The answer to store for a row whose first answer is ``res``, and how many times it was
+        generated again with a larger budget (``truncation``) because it finished by length.
+
+        Only the stored answer reaches the journal: a run killed during a regeneration generates
+        the row again from its first budget when resumed, and stores it once.
+        """
+        policy = self.truncation
+        done = 0
+        while res.finish_reason == "length" and done < policy.retries:
+            # A length finish under SGLang's default budget used all of it.
+            budget = res.max_new_tokens if res.max_new_tokens is not None else res.completion_tokens
+            context = await self.client.context_limit()
+            nxt = policy.next_budget(budget, res.prompt_tokens, context)
+            if nxt is None:
+                break
+            try:
+                again = await self.client.generate(item.prompt, capped_sampling(self.request_sampling, nxt),
+                                                   rid=item.row.id)
+            except PromptTooLong:  # the larger budget does not fit after all: keep what fits
+                break
+            if again.max_new_tokens is not None and again.max_new_tokens <= budget:
+                break  # the server capped it to no more than before: nothing to gain from it
+            done += 1
+            self.result.truncation_retries += 1
+            res = again
+        return res, done

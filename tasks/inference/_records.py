@@ -73,6 +73,8 @@ class DatasetResult:
     rows_generated: int = 0  # journaled by this run from a server answer
     rows_resumed: int = 0  # found in an open shard's journal and not regenerated
     rejects: int = 0  # journaled by this run
+    rows_capped: int = 0  # of rows_generated, those whose max_new_tokens was lowered to fit the context
+    truncation_retries: int = 0  # regenerations of rows that finished by length (TruncationPolicy)
     requests: int = 0  # HTTP requests, retries included
     retries: int = 0
     prompt_tokens: int = 0

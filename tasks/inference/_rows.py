@@ -33,6 +33,7 @@ class RowBuilder:
     server_fingerprint: str
     template: Any  # tasks.prompts.ChatTemplate | None
     template_kwargs: Mapping[str, Any]
+    truncation_json: str | None = None  # the rows' truncation_policy column
 
     @staticmethod
     def sampling_text(sampling: Mapping[str, Any]) -> str:
@@ -65,8 +66,9 @@ class RowBuilder:
         return split_reasoning(text, self.parser, force_reasoning=True if think_in_prompt else None)
 
     def generated(self, row: Any, pos: int, prompt: str, think_in_prompt: bool,
-                  res: GenerateResult) -> dict[str, Any]:
-        """The journal record of a finished generation of input row ``row`` at input position ``pos``."""
+                  res: GenerateResult, truncation_retries: int = 0) -> dict[str, Any]:
+        """The journal record of a finished generation of input row ``row`` at input position ``pos``
+        (``truncation_retries``: the generations before it that finished by length)."""
         reasoning, content = self.split(res.text, think_in_prompt)
         return {
             "id": row.id,
@@ -86,6 +88,10 @@ class RowBuilder:
             "think_in_prompt": think_in_prompt,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="microseconds"),
             "latency_s": res.latency_s,
+            "max_new_tokens": res.max_new_tokens,
+            "budget_capped": res.capped,
+            "truncation_retries": truncation_retries,
+            "truncation_policy": self.truncation_json,
             "_pos": pos,
             "_attempts": res.attempts,
         }
@@ -100,6 +106,17 @@ class RowBuilder:
         if status is not None:
             rec["status"] = status
         return rec
+
+    @staticmethod
+    def with_budget(row: dict[str, Any]) -> dict[str, Any]:
+        """A journal row of an older datagen, without the budget columns, with them filled in as
+        that version generated it: the sampling's ``max_new_tokens``, never capped (an overflow was
+        rejected), never regenerated."""
+        if "budget_capped" in row:
+            return row
+        sent = orjson.loads(row["sampling"]).get("max_new_tokens")
+        return {**row, "max_new_tokens": sent if isinstance(sent, int) else None, "budget_capped": False,
+                "truncation_retries": 0, "truncation_policy": None}
 
     def with_current_split(self, row: dict[str, Any]) -> dict[str, Any]:
         """A journal row split with another parser (a rerun with a fixed ``--reasoning-parser``)

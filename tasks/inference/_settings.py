@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.inference._budget import TruncationPolicy
 from tasks.inference._client import ClientConfig
 from tasks.inference._records import DEFAULT_SAMPLING
 
@@ -53,6 +54,7 @@ class InferenceSettings:
         run_info: extra fields of the output lock's body (flow_run, host).
         canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
             handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
+        truncation: how rows that finish by length are generated again with a larger budget.
     """
 
     shard_size: int
@@ -64,3 +66,4 @@ class InferenceSettings:
     client: ClientConfig = field(default_factory=ClientConfig)
     run_info: Mapping[str, Any] = field(default_factory=dict)
     canary_rows: int = 0
+    truncation: TruncationPolicy = field(default_factory=TruncationPolicy)

@@ -69,8 +69,9 @@ def judge_truncation(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         return Check("truncation", "pass", 0.0, thr.truncation_max_rate, "no row hit max_new_tokens", 0, total)
     return rate_check("truncation", bad, total, thr.truncation_max_rate, thr.truncation_warn_rate, thr,
                       f"finish_reason length in {pct(bad, total)} of {total} rows of {ctx.label}: outputs hit "
-                      f"max_new_tokens; raise [sampling] max_new_tokens (within the context length) or accept "
-                      f"by raising truncation_max_rate")
+                      f"max_new_tokens; raise [sampling] max_new_tokens (within the context length), generate "
+                      f"truncated rows again with a larger budget ([run.truncation] retries), or accept by "
+                      f"raising truncation_max_rate")
 
 
 def judge_finish(s: Stats, ctx: Context, thr: Thresholds) -> Check:

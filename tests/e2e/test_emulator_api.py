@@ -34,7 +34,7 @@ def client(em: EmulatorProc) -> Iterator[httpx.Client]:
 
 
 def test_generate_single_shape_and_token_counts(client: httpx.Client) -> None:
-    r = client.post("/generate", json={"text": "Hello there, model.", "sampling_params": {"max_new_tokens": 512}})
+    r = client.post("/generate", json={"text": "Hello there, model.", "sampling_params": {"max_new_tokens": 256}})
     assert r.status_code == 200
     body = r.json()
     assert set(body) == {"text", "output_ids", "meta_info"}
@@ -113,6 +113,15 @@ def test_errors_400(client: httpx.Client) -> None:
     assert r.status_code == 400
     assert r.json() == {"error": {"message": "The input (300 tokens) is longer than the model's context length "
                                              "(300 tokens)."}}
+    # prompt + max_new_tokens over the context: SGLang's tokenizer manager refuses, naming the numbers
+    r = client.post("/generate", json={"text": " w" * 100, "sampling_params": {"max_new_tokens": 250}})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": (
+        "Requested token count exceeds the model's maximum context length of 300 tokens. You requested a total "
+        "of 350 tokens: 100 tokens from the input messages and 250 tokens for the completion. Please reduce the "
+        "number of tokens in the input messages or the completion to fit within the limit.")}}
+    r = client.post("/generate", json={"text": " w" * 100, "sampling_params": {"max_new_tokens": 200}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 200 - 2
     r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": -1}})
     assert (r.status_code, r.json()) == (400, {"error": {"message": "max_new_tokens must be at least 0, got -1."}})
 

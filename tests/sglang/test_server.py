@@ -23,7 +23,14 @@ import psutil
 import pytest
 
 from tasks.config import ConfigError, load_partition
-from tasks.inference import ClientConfig, GenerateClient, GenerateResult, PromptTooLong, RequestRejected
+from tasks.inference import (
+    ClientConfig,
+    ContextOverflow,
+    GenerateClient,
+    GenerateResult,
+    PromptTooLong,
+    RequestRejected,
+)
 from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
 from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
 
@@ -134,15 +141,39 @@ def test_prompt_alone_longer_than_the_context_is_rejected_with_the_server_messag
     with pytest.raises(PromptTooLong) as info:
         _generate(live, " ".join(["kalo"] * (CONTEXT + 100)), {"max_new_tokens": 4}, "row-long")
     assert info.value.status == 400
-    assert str(CONTEXT) in info.value.message or "context" in info.value.message.lower()
+    assert info.value.message == (f"The input ({CONTEXT + 100} tokens) is longer than the model's context length "
+                                  f"({CONTEXT} tokens).")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 5: prompt + max_new_tokens over the context is "
-                   "rejected (row lost to _rejects/) instead of max_new_tokens capped to fit")
+def test_prompt_that_leaves_too_little_room_is_rejected_after_the_cap(live: Live) -> None:
+    # 3 tokens of room: the budget is capped to them, then the scheduler refuses the input itself
+    with pytest.raises(PromptTooLong) as info:
+        _generate(live, " ".join(["kalo"] * (CONTEXT - 3)), {"max_new_tokens": 100}, "row-edge")
+    assert info.value.status == 400
+    assert info.value.message == (f"Input length ({CONTEXT - 3} tokens) exceeds the maximum allowed length "
+                                  f"({CONTEXT - 1 - 5} tokens). Use a shorter input or enable --allow-auto-truncate.")
+
+
 def test_prompt_that_fits_gets_max_new_tokens_capped_to_the_context(live: Live) -> None:
+    # SGLang answers 400 naming the context and the prompt's tokens; the client resends with the room
     res = _generate(live, PROMPT, {"max_new_tokens": CONTEXT - 8, "temperature": 0.0}, "row-capped")
+    assert res.capped and res.max_new_tokens == CONTEXT - res.prompt_tokens
     assert res.prompt_tokens + res.completion_tokens <= CONTEXT
     assert res.completion_tokens >= 1
+    fits = _generate(live, PROMPT, {"max_new_tokens": 4, "temperature": 0.0}, "row-fits")
+    assert (fits.capped, fits.max_new_tokens) == (False, 4)
+
+
+def test_over_budget_answer_is_the_message_the_client_parses(live: Live) -> None:
+    r = httpx.post(live.handle.url + "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": CONTEXT}},
+                   headers={"Authorization": f"Bearer {live.key}"}, timeout=60.0, trust_env=False)
+    assert r.status_code == 400 and set(r.json()) == {"error"} and set(r.json()["error"]) == {"message"}
+    over = ContextOverflow.parse(r.json()["error"]["message"])
+    assert over is not None and over.context_length == CONTEXT and over.max_new_tokens == CONTEXT
+    assert over.total_tokens == over.input_tokens + CONTEXT and 10 <= over.input_tokens < 100
+    models = httpx.get(live.handle.url + "/v1/models", headers={"Authorization": f"Bearer {live.key}"},
+                       timeout=60.0, trust_env=False).json()
+    assert models["data"][0]["max_model_len"] == CONTEXT  # what context_limit() reads
 
 
 def test_unknown_sampling_key_is_rejected_by_the_server(live: Live) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,20 +95,24 @@ def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
 
 DRIVER = """
 import json, sys
-from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, TruncationPolicy, run_dataset
 a = json.loads(sys.argv[1])
 settings = InferenceSettings(model_dir=a["model"], shard_size=a["shard"], concurrency=a["conc"],
-                             sampling={"max_new_tokens": 64}, run_info={"flow_run": a.get("flow_run")},
-                             client=ClientConfig(max_attempts=3, backoff_base_s=0.02))
+                             sampling=a["sampling"], run_info={"flow_run": a.get("flow_run")},
+                             client=ClientConfig(max_attempts=3, backoff_base_s=0.02),
+                             truncation=TruncationPolicy(**a["truncation"]))
 r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], Endpoint(a["url"], "test-server"), settings)
 print(json.dumps(r.to_dict()), flush=True)
 """
 
 
-def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32,
-                 flow_run: str | None = None) -> subprocess.Popen[bytes]:
+def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32, flow_run: str | None = None,
+                 sampling: dict[str, Any] | None = None,
+                 truncation: dict[str, Any] | None = None) -> subprocess.Popen[bytes]:
+    """``run_dataset`` in a child process (``truncation``: TruncationPolicy's fields)."""
     args = json.dumps({"input": str(inp), "out": str(out), "url": url, "model": str(DEMO_MODEL),
-                       "shard": shard, "conc": conc, "flow_run": flow_run})
+                       "shard": shard, "conc": conc, "flow_run": flow_run,
+                       "sampling": sampling or {"max_new_tokens": 64}, "truncation": truncation or {}})
     return subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=str(REPO), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
@@ -121,3 +128,32 @@ def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callab
     return run_dataset(DatasetSpec("ds", inp), out, Endpoint(url, "test-server", alive=server_alive),
                        InferenceSettings(shard_size=shard, model_dir=DEMO_MODEL, **settings),
                        on_shard_committed=on_shard_committed, progress=progress, on_canary=on_canary)
+
+
+@contextlib.contextmanager
+def canned_server(status: int, body: bytes, seen: list[bytes] | None = None) -> Iterator[str]:
+    """A loopback HTTP server answering every POST with ``status`` and the JSON ``body`` (request bodies
+    appended to ``seen``); yields its base URL and stops it on exit."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            request = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if seen is not None:
+                seen.append(request)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -54,6 +54,7 @@ def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_pro
         "think_in_prompt": think_in_prompt,
         "generated_at": NOW,
         "latency_s": 1.5,
+        "max_new_tokens": 1024, "budget_capped": False, "truncation_retries": 0, "truncation_policy": None,
     }
 
 

@@ -42,6 +42,7 @@ def _row(i: int, raw: str, *, reasoning: str | None, content: str, prompt: str =
         "think_in_prompt": think,
         "generated_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         "latency_s": 0.5,
+        "max_new_tokens": 64, "budget_capped": False, "truncation_retries": 0, "truncation_policy": None,
     }
 
 

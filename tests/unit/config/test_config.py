@@ -13,9 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from datagen.cmd_run import build_parser, overrides_of
+from flows.context import RunContext, RunPlan
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
 from tasks.config._sampling import SAMPLING_KEYS
+from tasks.inference import TruncationPolicy
 from tasks.server import ServerConfig
 from tests.support.common import free_port
 
@@ -173,8 +176,6 @@ def test_every_flow_parameter_is_an_override_and_every_override_a_flow_parameter
 
 
 def test_cli_options_are_the_overrides() -> None:
-    from datagen.cmd_run import build_parser, overrides_of
-
     args = build_parser().parse_args(["--input", "x.jsonl", "--shard-size", "3", "--mem-fraction-static", "0.7",
                                       "--reasoning-parser", "qwen3"])
     assert overrides_of(args) == Overrides(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
@@ -452,3 +453,36 @@ def test_an_input_run_without_a_partition_uses_the_adhoc_partition_on_one_gpu(tm
         0, 1, 2, 3]
     assert partition_of(build_parser().parse_args([])) == "all"
     assert partition_of(build_parser().parse_args(["--input", str(inp), "--partition", "demo"])) == "demo"
+
+
+def test_truncation_policy_from_run_truncation_and_the_override(tmp_path: Path) -> None:
+    f = _write(tmp_path, BASE + "[sampling]\nmax_new_tokens = 4096\n"
+               "[run.truncation]\nretries = 2\nfactor = 1.5\nmax_new_tokens = 16384\n")
+    cfg = load_partition(f)
+    assert cfg.truncation == {"retries": 2, "factor": 1.5, "max_new_tokens": 16384}
+    plan = RunPlan(out_dir=tmp_path / "o", root=tmp_path, version=None, sim_gpus=None, log_dir=tmp_path / "l")
+    assert RunContext.build(cfg, plan, None).inference().truncation == TruncationPolicy(2, 1.5, 16384)
+    assert cfg.with_overrides(Overrides(truncation_retries=0)).truncation == {
+        "retries": 0, "factor": 1.5, "max_new_tokens": 16384}
+    assert load_partition(_write(tmp_path, BASE)).truncation == {}  # off unless set
+    with pytest.raises(ConfigError, match=r"^override: truncation_retries: -1 is not a non-negative integer"):
+        cfg.with_overrides(Overrides(truncation_retries=-1))
+    assert overrides_of(build_parser().parse_args(["--truncation-retries", "3"])) == Overrides(truncation_retries=3)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[run.truncation]\nretry = 1\n", "run.truncation.retry: unknown key (allowed: factor, max_new_tokens, retries)"),
+        ("[run.truncation]\nretries = -1\n", "run.truncation.retries: -1 is not a non-negative integer"),
+        ("[run.truncation]\nfactor = 1\n", "run.truncation.factor: 1 is not a number above 1"),
+        ('[run.truncation]\nfactor = "x2"\n', "run.truncation.factor: 'x2' is not a number above 1"),
+        ("[run.truncation]\nmax_new_tokens = 0\n", "run.truncation.max_new_tokens: 0 is not a positive integer"),
+        ("[sampling]\nmax_new_tokens = 4096\n[run.truncation]\nmax_new_tokens = 4096\n",
+         "run.truncation.max_new_tokens: 4096 is not above sampling.max_new_tokens (4096): no regeneration could "
+         "have a larger budget"),
+        ("[run]\ntruncation = 1\n", "run.truncation: must be a table (retries, factor, max_new_tokens)"),
+    ],
+)
+def test_bad_truncation_policy_names_the_file_and_the_key(tmp_path: Path, body: str, message: str) -> None:
+    assert _config_error(tmp_path, BASE + body).startswith(message)

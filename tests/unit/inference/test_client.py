@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
-import threading
 import time
 
 import httpx
@@ -21,6 +19,7 @@ from tasks.inference import (
     server_error_message,
 )
 from tests.support.common import free_port
+from tests.support.inference import canned_server
 
 PROMPT = "<|im_start|>user\nWhat is a shard?<|im_end|>\n<|im_start|>assistant\n"
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "connect_timeout_s": 2.0, "request_timeout_s": 20.0}
@@ -150,35 +149,15 @@ def test_server_alive_check_short_cuts_retries_only_for_a_dead_process():
 ])
 def test_malformed_answers_are_named_never_stored(body, fragment):
     """A 200 whose JSON is not what SGLang sends is a clear ServerGone, never a row holding "None"."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    async def go(url):
+        async with GenerateClient(url, ClientConfig(max_attempts=2, **FAST)) as c:
+            with pytest.raises(ServerGone) as e:
+                await c.generate(PROMPT, {}, rid="x")
+            return e.value
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        async def go():
-            url = f"http://127.0.0.1:{server.server_address[1]}"
-            async with GenerateClient(url, ClientConfig(max_attempts=2, **FAST)) as c:
-                with pytest.raises(ServerGone) as e:
-                    await c.generate(PROMPT, {}, rid="x")
-                return e.value
-
-        err = _run(go())
-        assert fragment in str(err)
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with canned_server(200, body) as url:
+        err = _run(go(url))
+    assert fragment in str(err)
 
 
 def test_server_info_never_carries_the_api_key(sim_gpus, emulator_factory):

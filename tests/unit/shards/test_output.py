@@ -22,6 +22,7 @@ def _row(i: int, pos: int | None = None) -> dict:
         "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 5, "model": "m",
         "sampling": "{}", "server": "s", "reasoning_parser": "qwen3", "think_in_prompt": False,
         "generated_at": "2026-01-01T00:00:00.000000+00:00", "latency_s": 0.1, "_pos": i if pos is None else pos,
+        "max_new_tokens": 8, "budget_capped": False, "truncation_retries": 0, "truncation_policy": None,
     }
 
 

@@ -207,7 +207,8 @@ def test_truncation_above_threshold(tmp_path):
     assert checks["empty_content"].status == "pass"  # truncated rows have no content by design
     assert checks["truncation"].message == (
         "finish_reason length in 20% of 50 rows of shard 0 of glaive: outputs hit max_new_tokens; raise "
-        "[sampling] max_new_tokens (within the context length) or accept by raising truncation_max_rate")
+        "[sampling] max_new_tokens (within the context length), generate truncated rows again with a larger "
+        "budget ([run.truncation] retries), or accept by raising truncation_max_rate")
     # Below the threshold it only warns; a partition may raise the threshold.
     assert validate_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA),
                           Thresholds.from_dict({"truncation_max_rate": 0.25}))[7].status == "warn"
