@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.inference._client import ClientConfig
+from tasks.inference._order import ORDERS
 from tasks.inference._records import DEFAULT_SAMPLING
 
 __all__ = ["AUTO", "Endpoint", "InferenceSettings"]
@@ -53,6 +54,13 @@ class InferenceSettings:
         run_info: extra fields of the output lock's body (flow_run, host).
         canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
             handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
+        order: ``prefix``: rows of a window that share a long prompt prefix are sent together, so
+            the server's prefix cache serves them (``tasks.inference._order``); ``input``: input order.
+            The rows are stored in input order either way.
+        order_window: rows per reordering window (None: ``window_for(concurrency)``).
+
+    Raises:
+        ValueError: an unknown ``order`` or an ``order_window`` below 1.
     """
 
     shard_size: int
@@ -64,3 +72,22 @@ class InferenceSettings:
     client: ClientConfig = field(default_factory=ClientConfig)
     run_info: Mapping[str, Any] = field(default_factory=dict)
     canary_rows: int = 0
+    order: str = "prefix"
+    order_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.order_window is not None and self.order_window < 1:
+            raise ValueError(f"order_window must be >= 1, got {self.order_window}")
+
+    def window_for(self, concurrency: int) -> int:
+        """Rows per reordering window: ``order_window``, else 8x the requests in flight, within
+        [256, 4096] (a group meets its prefix in the cache while the window's rows are in flight;
+        a window is read ahead of the sends, so it bounds the memory and the delay of a shard's
+        commit); 1 for ``input`` order."""
+        if self.order == "input":
+            return 1
+        if self.order_window is not None:
+            return self.order_window
+        return max(256, min(4096, 8 * concurrency))
