@@ -18,8 +18,8 @@ from aiohttp import web
 from emulator.engine import Engine, QueueFull, Req
 from emulator.profile import ModelInfo
 from emulator.textgen import (
+    TOKEN_RE,
     ReasoningFormat,
-    count_tokens,
     generate,
     split_reasoning,
 )
@@ -27,7 +27,7 @@ from tasks.reasoning import PARSERS
 
 __all__ = ["ServerState", "build_app"]
 
-SGLANG_VERSION = "0.5.2"
+SGLANG_VERSION = "0.5.23"
 _JSON = "application/json"
 
 
@@ -80,7 +80,7 @@ def _meta(st: ServerState, r: Req, final: bool, upto: int | None = None) -> dict
         "finish_reason": r.output.finish_reason if final else None,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.total if upto is None else upto,
-        "cached_tokens": 0,
+        "cached_tokens": r.cached,
         "weight_version": "default",
         "e2e_latency": (r.finished_at or now) - r.created,
     }
@@ -130,13 +130,15 @@ def _check_params(sp: dict[str, Any]) -> str | None:
 def _make_req(
     st: ServerState, prompt: str | None, ids: list[int] | None, sp: dict[str, Any], rid: str | None, sample: int
 ) -> Req | web.Response:
+    tokens: tuple[Any, ...]
     if prompt is not None:
-        n_prompt = count_tokens(prompt)
+        tokens = tuple(TOKEN_RE.findall(prompt))
         key: Any = prompt
     else:
         assert ids is not None
-        n_prompt = len(ids)
-        key = tuple(ids)
+        tokens = tuple(ids)
+        key = tokens
+    n_prompt = len(tokens)
     if n_prompt >= st.context_length:
         return _json(
             {"error": {"message": f"The input ({n_prompt} tokens) is longer than the model's context length "
@@ -166,7 +168,8 @@ def _make_req(
         opened=opened,
         closed=closed,
     )
-    return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic())
+    return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic(),
+               key=tokens)
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -458,6 +461,7 @@ def build_app(st: ServerState) -> web.Application:
             ("max_running_requests", "gauge", "Batch slots (--max-running-requests).",
              st.args.max_running_requests),
             ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens_total),
+            ("cached_tokens_total", "counter", "Number of cached prompt tokens.", engine.cached_tokens_total),
             ("generation_tokens_total", "counter", "Number of generation tokens processed.",
              engine.generation_tokens_total),
             ("num_requests_total", "counter", "Number of requests processed.", engine.requests_total),

@@ -37,6 +37,7 @@ from tasks.config._model import (
     check_launch,
 )
 from tasks.config._sampling import check_sampling
+from tasks.inference import ORDERS
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.validation import ThresholdError, Thresholds
@@ -69,7 +70,8 @@ def list_partitions() -> list[str]:
 
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
-_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s"}
+_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
+             "order", "order_window"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
 _LAUNCH_KEYS = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
@@ -149,6 +151,13 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     if server_url is not None and not server_url.startswith(("http://", "https://")):
         raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
 
+    order = run.get("order", "prefix")
+    if order not in ORDERS:
+        raise ConfigError(f"{f}: run.order: {order!r} is not one of {', '.join(ORDERS)}")
+    order_window = run.get("order_window")
+    if order_window is not None:
+        order_window = positive_int(order_window, f, "run.order_window")
+
     sampling = check_sampling(table(data, "sampling", f), f)
     validation = _check_validation(table(data, "validation", f), f)
 
@@ -173,6 +182,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
+        order=order,
+        order_window=order_window,
         sampling=sampling,
         validation=validation,
         output_root=writable_dir(resolve_path(root, base), f, "output.root"),
