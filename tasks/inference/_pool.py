@@ -302,6 +302,13 @@ class InferencePool:
             shard.completion_tokens += res.completion_tokens
             self.result.rows_generated += 1
             self.result.prompt_tokens += res.prompt_tokens
+            self.result.cached_tokens += _cached_tokens(res.meta_info)
             self.result.completion_tokens += res.completion_tokens
             self._account(shard, tg)
             self._feed_canary(row)
+
+
+def _cached_tokens(meta: Mapping[str, Any]) -> int:
+    """``meta_info.cached_tokens`` (SGLang's prefix-cache hits for the request); 0 when absent."""
+    value = meta.get("cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
