@@ -82,12 +82,12 @@ class InferenceSettings:
             raise ValueError(f"order_window must be >= 1, got {self.order_window}")
 
     def window_for(self, concurrency: int) -> int:
-        """Rows per reordering window: ``order_window``, else 8x the requests in flight, within
-        [256, 4096] (a group meets its prefix in the cache while the window's rows are in flight;
-        a window is read ahead of the sends, so it bounds the memory and the delay of a shard's
-        commit); 1 for ``input`` order."""
+        """Rows per reordering window: ``order_window``, else 32x the requests in flight, within
+        [256, 4096]; 1 for ``input`` order. A larger window makes larger groups (only a group's
+        first row misses the cache), but it is read ahead of the sends: it bounds the memory held
+        and how long a shard's commit may wait."""
         if self.order == "input":
             return 1
         if self.order_window is not None:
             return self.order_window
-        return max(256, min(4096, 8 * concurrency))
+        return max(256, min(4096, 32 * concurrency))

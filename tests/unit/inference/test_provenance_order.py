@@ -103,7 +103,7 @@ def test_prefix_order_groups_rows_sharing_a_prefix_and_keeps_the_rest_in_place()
 
 def test_window_size_follows_concurrency_within_bounds():
     s = InferenceSettings(shard_size=10)
-    assert (s.window_for(4), s.window_for(100), s.window_for(10_000)) == (256, 800, 4096)
+    assert (s.window_for(4), s.window_for(100), s.window_for(10_000)) == (256, 3200, 4096)
     assert InferenceSettings(shard_size=10, order_window=7).window_for(100) == 7
     assert InferenceSettings(shard_size=10, order="input").window_for(100) == 1
     with pytest.raises(ValueError, match="order must be one of prefix, input, got 'lpm'"):
