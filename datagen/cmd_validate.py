@@ -1,7 +1,8 @@
 """`datagen validate OUT_DIR [--json] [--threshold KEY=VALUE ...]`: validate a whole output directory.
 
 Runs every check of tasks.validation over every committed shard and each dataset as a whole, writes
-``OUT_DIR/_validation.json`` and prints a summary (or, with ``--json``, the report itself). The
+``OUT_DIR/_validation.json`` and the dataset card ``OUT_DIR/README.md``, and prints a summary (or,
+with ``--json``, the report itself). The
 report is written under the output's lock; while a live run holds it, the run owns the output:
 validation is read-only then (nothing is written, stderr says so) and the exit code is the same.
 
@@ -19,6 +20,7 @@ import json
 import sys
 
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
+from tasks.card import write_card
 from tasks.shards import OutputDir, OutputLocked
 from tasks.validation import REPORT_NAME, ThresholdError, Thresholds, validate_output, write_report
 
@@ -49,6 +51,7 @@ def main(argv: list[str]) -> int:
     try:
         with OutputDir(args.out_dir).lock({"command": "datagen validate"}):
             write_report(args.out_dir, report)
+            write_card(args.out_dir, report.to_dict())
     except OutputLocked as exc:
         holder = ", ".join(f"{k}={v}" for k, v in exc.holder.items() if v is not None) or "holder unknown"
         print(f"datagen validate: {args.out_dir} is held by a live run ({holder}); validated read-only, "

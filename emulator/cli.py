@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-dtype", default="auto")
     a("--attention-backend", default=None)
     a("--schedule-policy", default="fcfs")
+    a("--disable-radix-cache", action="store_true")
     a("--random-seed", type=int, default=None)
     a("--watchdog-timeout", type=float, default=300)
     a("--stream-interval", type=int, default=1)
@@ -258,7 +259,10 @@ class Main:
                 activation_mib_per_token=self.model.profile.activation_mib_per_token,
                 total_gib=float(memory["total_gib"]),  # type: ignore[arg-type]
                 held_gib=float(memory["total_gib"]) - float(memory["headroom"]),  # type: ignore[arg-type]
-                kv_tokens=int(memory["kv_tokens"]),  # type: ignore[call-overload]
+                # --max-total-tokens caps the KV pool, as in SGLang
+                kv_tokens=min(int(memory["kv_tokens"]),  # type: ignore[call-overload]
+                              a.max_total_tokens or int(memory["kv_tokens"])),  # type: ignore[call-overload]
+                radix_cache=not a.disable_radix_cache,
             ),
             on_oom=self.crash_scheduler,
         )

@@ -1,7 +1,10 @@
 """The throughput model: batch slots, FIFO admission as prefill batches, one decode step per running batch.
 
 Requests that arrive in the same event-loop tick share a prefill batch even at zero latency, so the
-activation memory model applies either way (README, "Throughput model").
+activation memory model applies either way (README, "Throughput model"). A radix cache
+(emulator/radix.py) serves prompt prefixes: a request admitted to a prefill batch matches its longest
+cached prefix, which costs no prefill time, activation memory or chunked-prefill budget, and is
+reported as ``cached_tokens``; prompts stay cached while the KV pool has room.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from emulator.logs import log
+from emulator.radix import Node, RadixCache
 from emulator.textgen import Output
 
 __all__ = ["Engine", "EngineConfig", "Req", "QueueFull"]
@@ -30,6 +34,9 @@ class Req:
     prompt_tokens: int
     output: Output
     created: float
+    key: tuple[object, ...] = ()  # the prompt's tokens, for the prefix cache
+    cached: int = 0  # prompt tokens served by the prefix cache
+    node: Node | None = field(default=None, repr=False)
     generated: int = 0
     finished_at: float | None = None
     done: asyncio.Future[None] | None = None
@@ -58,6 +65,7 @@ class EngineConfig:
     held_gib: float
     kv_tokens: int
     decode_log_interval: int = 40
+    radix_cache: bool = True  # False: --disable-radix-cache
 
 
 class Engine:
@@ -70,6 +78,8 @@ class Engine:
         self.running: list[Req] = []
         self.halted = False  # crashed or hung: nothing advances any more
         self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.cache = RadixCache(enabled=cfg.radix_cache)
         self.generation_tokens_total = 0
         self.requests_total = 0
         self.busy_slot_seconds = 0.0
@@ -140,18 +150,32 @@ class Engine:
         free = self.cfg.max_running_requests - len(self.running)
         while self.waiting and len(batch) < free:
             nxt = self.waiting[0]
-            if batch and tokens + nxt.prompt_tokens > self.cfg.chunked_prefill_size:
+            # SGLang matches at scheduling time and always computes the last prompt token itself.
+            nxt.cached = min(self.cache.match(nxt.key), max(0, nxt.prompt_tokens - 1))
+            new = nxt.prompt_tokens - nxt.cached
+            if batch and tokens + new > self.cfg.chunked_prefill_size:
                 break
             batch.append(self.waiting.popleft())
-            tokens += nxt.prompt_tokens
+            tokens += new
             if tokens >= self.cfg.chunked_prefill_size:
                 break
         return batch
 
+    def _cache_prompts(self, batch: list[Req]) -> None:
+        """After a prefill: the batch's prompts join the cache, locked while they run; unlocked
+        prompts are evicted (LRU) while the cache and the running requests' outputs overflow the pool."""
+        for r in batch:
+            r.node = self.cache.insert(r.key)
+            self.prompt_tokens_total += r.prompt_tokens
+            self.cached_tokens_total += r.cached
+        over = self.cache.size + sum(r.generated for r in self.running) - self.cfg.kv_tokens
+        if over > 0:
+            self.cache.evict(over, slack=self.cfg.kv_tokens // 32)
+
     def _prefill_fits(self, batch: list[Req]) -> bool:
         """Check the batch's activation memory against the headroom; crash the server if not."""
         # a chunked prefill never processes more than chunked_prefill_size tokens at once
-        tokens = min(sum(r.prompt_tokens for r in batch), self.cfg.chunked_prefill_size)
+        tokens = min(sum(r.prompt_tokens - r.cached for r in batch), self.cfg.chunked_prefill_size)
         need_mib = tokens * self.cfg.activation_mib_per_token
         if need_mib <= self.cfg.headroom_mib:
             return True
@@ -170,8 +194,8 @@ class Engine:
 
     def _log_prefill(self, batch: list[Req]) -> None:
         log(
-            f"Prefill batch. #new-seq: {len(batch)}, #new-token: {sum(r.prompt_tokens for r in batch)}, "
-            f"#cached-token: 0, token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, "
+            f"Prefill batch. #new-seq: {len(batch)}, #new-token: {sum(r.prompt_tokens - r.cached for r in batch)}, "
+            f"#cached-token: {sum(r.cached for r in batch)}, token usage: {self.token_usage():.2f}, #running-req: {len(self.running)}, "
             f"#queue-req: {len(self.waiting)}, ",
             tp=0,
         )
@@ -179,6 +203,9 @@ class Engine:
     def _finish(self, r: Req, now: float) -> None:
         r.finished_at = now
         self.requests_total += 1
+        if r.node is not None:
+            self.cache.unlock(r.node)
+            r.node = None
         if r.done is not None and not r.done.done():
             r.done.set_result(None)
         r.notify()
@@ -194,8 +221,8 @@ class Engine:
                 return
             now = time.monotonic()
             gen = 0
+            self._cache_prompts(batch)
             for r in batch:
-                self.prompt_tokens_total += r.prompt_tokens
                 r.generated = r.total
                 gen += r.total
                 self._finish(r, now)
@@ -216,14 +243,14 @@ class Engine:
                 self._log_prefill(batch)
                 if not self._prefill_fits(batch):
                     return
-                tokens = sum(r.prompt_tokens for r in batch)
+                tokens = sum(r.prompt_tokens - r.cached for r in batch)  # cached prefixes cost nothing
                 self._account()
                 self.running.extend(batch)
                 if cfg.prefill_us_per_token > 0:
                     await asyncio.sleep(tokens * cfg.prefill_us_per_token / 1e6)
                 if self.halted:
                     return
-                self.prompt_tokens_total += tokens
+                self._cache_prompts(batch)
                 now = time.monotonic()
                 first = 0
                 for r in batch:

@@ -20,8 +20,8 @@ from emulator.engine import Engine, QueueFull, Req
 from emulator.profile import ModelInfo
 from emulator.textgen import (
     GPT_OSS,
+    TOKEN_RE,
     ReasoningFormat,
-    count_tokens,
     generate,
     skip_special_tokens,
     split_reasoning,
@@ -30,7 +30,7 @@ from tasks.reasoning import PARSERS
 
 __all__ = ["ServerState", "build_app"]
 
-SGLANG_VERSION = "0.5.2"
+SGLANG_VERSION = "0.5.23"
 _JSON = "application/json"
 
 
@@ -120,7 +120,7 @@ def _meta(st: ServerState, r: Req, final: bool, upto: int | None = None) -> dict
         "num_retractions": 0,
         "reasoning_tokens": 0,
         "completion_tokens": done,
-        "cached_tokens": 0,
+        "cached_tokens": r.cached,
         "weight_versions": [{"version": "default", "start": 0, "end": done}],
         "cached_tokens_details": None,
         "dp_rank": None,
@@ -198,13 +198,15 @@ def _length_error(st: ServerState, n_prompt: int, max_new_tokens: int | None) ->
 def _make_req(
     st: ServerState, prompt: str | None, ids: list[int] | None, sp: dict[str, Any], rid: str | None, sample: int
 ) -> Req | web.Response:
+    tokens: tuple[Any, ...]
     if prompt is not None:
-        n_prompt = count_tokens(prompt)
+        tokens = tuple(TOKEN_RE.findall(prompt))
         key: Any = prompt
     else:
         assert ids is not None
-        n_prompt = len(ids)
-        key = tuple(ids)
+        tokens = tuple(ids)
+        key = tokens
+    n_prompt = len(tokens)
     refused = _length_error(st, n_prompt, sp.get("max_new_tokens", 128))
     if refused is not None:
         return _json({"error": {"message": refused}}, 400)
@@ -236,7 +238,8 @@ def _make_req(
     )
     if sp.get("skip_special_tokens", True):
         out = skip_special_tokens(out)
-    return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic())
+    return Req(rid=rid or uuid.uuid4().hex, prompt_tokens=n_prompt, output=out, created=time.monotonic(),
+               key=tokens)
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -554,6 +557,7 @@ def build_app(st: ServerState) -> web.Application:
             ("max_running_requests", "gauge", "Batch slots (--max-running-requests).",
              st.args.max_running_requests),
             ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens_total),
+            ("cached_tokens_total", "counter", "Number of cached prompt tokens.", engine.cached_tokens_total),
             ("generation_tokens_total", "counter", "Number of generation tokens processed.",
              engine.generation_tokens_total),
             ("num_requests_total", "counter", "Number of requests processed.", engine.requests_total),

@@ -38,6 +38,7 @@ from flows.context import RunContext, RunPlan
 from flows.progress import Progress, artifact_key
 from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
+from tasks.card import write_card
 from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
 from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
@@ -338,6 +339,10 @@ def validate(ctx: RunContext) -> dict[str, Any]:
         publish_artifacts(report)
     except Exception as exc:  # observability must never fail the run
         get_run_logger().warning("validation artifacts not published: %s", exc)
+    try:
+        write_card(plan.out_dir, report.to_dict(), title=f"{ctx.cfg.name}: {plan.out_dir.name}")
+    except (OSError, ValueError) as exc:  # the card describes the output; its rows are what matters
+        get_run_logger().warning("dataset card not written: %s", exc)
     summary = report.summary()
     get_run_logger().info("%s", summary)
     if not report.ok:

@@ -32,6 +32,14 @@ ROW_SCHEMA = pa.schema(
         pa.field("budget_capped", pa.bool_(), nullable=False),  # lowered to fit the model's context
         pa.field("truncation_retries", pa.int32(), nullable=False),  # regenerations after a length finish
         pa.field("truncation_policy", pa.string(), nullable=True),  # JSON of the policy (None: off)
+        # provenance (tasks.inference.PROVENANCE_COLUMNS); null: unknown (a journal row written by a
+        # datagen that did not record it, or a model directory not readable where datagen runs)
+        pa.field("model_revision", pa.string(), nullable=True),  # sha256 of config + weights index
+        pa.field("engine", pa.string(), nullable=True),  # sglang | emulator
+        pa.field("engine_version", pa.string(), nullable=True),  # /server_info version
+        pa.field("chat_template_hash", pa.string(), nullable=True),  # null: prompt given pre-rendered
+        pa.field("run_id", pa.string(), nullable=True),  # Prefect flow run id, else local-<hex>
+        pa.field("attempt", pa.int32(), nullable=True),  # 1-based call of that run on the dataset
     ]
 )
 

@@ -38,6 +38,7 @@ from tasks.config._model import (
     check_launch,
 )
 from tasks.config._sampling import check_sampling
+from tasks.inference import ORDERS
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.validation import ThresholdError, Thresholds
@@ -71,7 +72,7 @@ def list_partitions() -> list[str]:
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
-             "truncation"}
+             "truncation", "order", "order_window"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
@@ -152,6 +153,13 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     if server_url is not None and not server_url.startswith(("http://", "https://")):
         raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
 
+    order = run.get("order", "prefix")
+    if order not in ORDERS:
+        raise ConfigError(f"{f}: run.order: {order!r} is not one of {', '.join(ORDERS)}")
+    order_window = run.get("order_window")
+    if order_window is not None:
+        order_window = positive_int(order_window, f, "run.order_window")
+
     sampling = check_sampling(table(data, "sampling", f), f)
     truncation = _check_truncation(run.get("truncation", {}), f, sampling)
     validation = _check_validation(table(data, "validation", f), f)
@@ -177,6 +185,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
+        order=order,
+        order_window=order_window,
         sampling=sampling,
         truncation=truncation,
         validation=validation,

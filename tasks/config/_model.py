@@ -171,6 +171,8 @@ class PartitionConfig:
     server_url: str | None = None
     hygiene_grace_s: float = 10.0
     hang_timeout_s: float = 120.0
+    order: str = "prefix"  # send order: prefix (cache-aware) | input
+    order_window: int | None = None  # rows per reordering window (None: from the concurrency)
 
     @property
     def targets(self) -> tuple[str, ...]:

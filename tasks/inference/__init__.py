@@ -23,6 +23,15 @@ from tasks.inference._client import (
 )
 from tasks.inference._driver import run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
+from tasks.inference._order import ORDERS, prefix_order
+from tasks.inference._provenance import (
+    PROVENANCE_COLUMNS,
+    Provenance,
+    engine_of,
+    hf_snapshot,
+    model_revision,
+    template_hash,
+)
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._resume import check_resume
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
@@ -41,7 +50,10 @@ __all__ = [
     "GenerateResult",
     "IDENTITY_KEYS",
     "InferenceSettings",
+    "ORDERS",
+    "PROVENANCE_COLUMNS",
     "PromptTooLong",
+    "Provenance",
     "RequestRejected",
     "ServerGone",
     "ShardProgress",
@@ -49,8 +61,13 @@ __all__ = [
     "TruncationPolicy",
     "check_resume",
     "default_concurrency",
+    "engine_of",
     "external_fingerprint",
+    "hf_snapshot",
+    "model_revision",
+    "prefix_order",
     "run_dataset",
     "run_dataset_async",
     "server_error_message",
+    "template_hash",
 ]

@@ -22,6 +22,14 @@ from typing import Any
 
 from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._pool import InferencePool
+from tasks.inference._provenance import (
+    Provenance,
+    engine_of,
+    model_revision,
+    new_run_id,
+    next_attempt,
+    template_hash,
+)
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
 from tasks.inference._resume import check_resume
 from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
@@ -82,7 +90,8 @@ async def run_dataset_async(
     template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
     started = time.monotonic()
     loop = asyncio.get_running_loop()
-    with out.ensure_locked(_lock_info(settings.run_info)):
+    run_info = _lock_info(settings.run_info)
+    with out.ensure_locked(run_info):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
         rebuilt: list[int] = []
         if out.unrecorded_shards(spec.name):
@@ -100,10 +109,10 @@ async def run_dataset_async(
         await loop.run_in_executor(None, out.check_intact, spec.name)
         check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True)
         cfg = settings.client
-        info = None
-        if settings.concurrency is None or settings.model_name is None:
-            async with GenerateClient(endpoint.url, cfg) as probe:
-                info = await probe.server_info()
+        probe_cfg = dataclasses.replace(
+            cfg, api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
+        async with GenerateClient(endpoint.url, probe_cfg) as probe:
+            info = await probe.server_info()  # engine version, and the defaults below
         conc = settings.concurrency or default_concurrency(info)
         cfg = dataclasses.replace(cfg, concurrency=conc,
                                   api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
@@ -113,6 +122,8 @@ async def run_dataset_async(
         if model_name is None:
             model_name = str((info or {}).get("served_model_name") or (info or {}).get("model_path")
                              or (Path(model_dir).name if model_dir else "unknown"))
+        provenance = await loop.run_in_executor(
+            None, _provenance, out, spec.name, settings.model_dir, template, info, run_info.get("flow_run"))
         async with GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive) as client:
             driver = InferencePool(
                 spec, out, client, shard_size=settings.shard_size, concurrency=conc,
@@ -121,6 +132,7 @@ async def run_dataset_async(
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
                 canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
                 truncation=settings.truncation,
+                provenance=provenance, order_window=settings.window_for(conc),
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)
@@ -139,6 +151,19 @@ async def run_dataset_async(
             finally:
                 _finish(result, client, out, spec.name, started)
     return result
+
+
+def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, template: ChatTemplate | None,
+                server_info: Mapping[str, Any] | None, flow_run: Any) -> Provenance:
+    """The provenance of this call's rows; counts the call as the next attempt of its run (the
+    Prefect flow run's, else a new local run id)."""
+    run_id = str(flow_run) if flow_run else new_run_id()
+    engine, version = engine_of(server_info)
+    return Provenance(
+        model_revision=model_revision(model_dir), engine=engine, engine_version=version,
+        chat_template_hash=template_hash(template.source if template is not None else None),
+        run_id=run_id, attempt=next_attempt(out, dataset, run_id),
+    )
 
 
 def canary_size(canary_rows: int, concurrency: int) -> int:

@@ -1,8 +1,9 @@
 """The async worker pool of tasks.inference: stream the input, generate, journal, commit shards.
 
 ``InferencePool.run(input_iter)`` reads the input once in the event loop and feeds ``concurrency``
-worker tasks through a bounded queue, so only in-flight items and per-open-shard counters live in
-memory. A shard whose slice is fully accounted for (rows generated or resumed, rejects journaled)
+worker tasks through a bounded queue, so only in-flight items, one reordering window (rows sent in
+``tasks.inference._order.prefix_order``, for the server's prefix cache) and per-open-shard counters
+live in memory. A shard whose slice is fully accounted for (rows generated or resumed, rejects journaled)
 is committed by one committer thread, in the order shards complete: a straggler holds back only
 its own shard, and the workers never wait for a commit, which keeps the server's batch full.
 
@@ -23,6 +24,8 @@ from typing import Any
 
 from tasks.inference._budget import TruncationPolicy, capped_sampling
 from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong
+from tasks.inference._order import prefix_order
+from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, public_reject
 from tasks.prompts import Reject
@@ -82,8 +85,10 @@ class InferencePool:
         on_shard_committed: Callable[[ShardRecord], Any] | None,
         progress: Callable[[ShardProgress], Any] | None,
         result: DatasetResult,
+        provenance: Provenance,
         canary: tuple[int, Callable[[list[dict[str, Any]]], Any]] | None = None,
         truncation: TruncationPolicy | None = None,
+        order_window: int = 1,
     ) -> None:
         self.spec = spec
         self.out = out
@@ -97,7 +102,11 @@ class InferencePool:
             dataset=spec.name, parser=reasoning_parser, model_name=model_name,
             sampling_json=RowBuilder.sampling_text(self.sampling), server_fingerprint=server_fingerprint,
             template=template, template_kwargs=spec.template_kwargs, truncation_json=self.truncation.to_json(),
+            provenance=provenance,
         )
+        # Rows to generate are sent in windows of this many, in ``prefix_order`` (1: input order).
+        self.order_window = max(1, order_window)
+        self.window: list[_Item] = []
         self.on_shard_committed = on_shard_committed
         self.progress = progress
         self.result = result
@@ -243,9 +252,10 @@ class InferencePool:
                         self._journal_reject(shard, pos, item.line, reason, item.raw, row_id=item.id)
                         self._account(shard, tg)
                     else:
-                        await queue.put(_Item(shard, pos, item, prompt, self.rows.opens_think(prompt)))
+                        await self._send(_Item(shard, pos, item, prompt, self.rows.opens_think(prompt)), queue)
             if pos % size == size - 1:
                 self._close_slice(index, size, tg)
+        await self._flush(queue)
         total = pos + 1
         self.total_rows = total
         if total % size:
@@ -253,6 +263,22 @@ class InferencePool:
         await asyncio.get_running_loop().run_in_executor(
             self.executor, self.out.set_dataset_totals, self.spec.name, total)
         self.result.shards_total = -(-total // size)
+
+    async def _send(self, item: _Item, queue: asyncio.Queue[_Item | None]) -> None:
+        """Queue ``item`` for the workers, through the reordering window when there is one."""
+        if self.order_window == 1:
+            await queue.put(item)
+            return
+        self.window.append(item)
+        if len(self.window) >= self.order_window:
+            await self._flush(queue)
+
+    async def _flush(self, queue: asyncio.Queue[_Item | None]) -> None:
+        """Queue the window's rows in cache-aware order. Which shard a row belongs to is its input
+        position's, and the shard stores its rows by position: only the send order changes."""
+        window, self.window = self.window, []
+        for i in prefix_order([it.prompt for it in window]):
+            await queue.put(window[i])
 
     def _feed_canary(self, row: dict[str, Any]) -> None:
         """Collect the first generated rows; hand them over once there are ``canary_size``."""
@@ -284,6 +310,7 @@ class InferencePool:
             shard.completion_tokens += res.completion_tokens
             self.result.rows_generated += 1
             self.result.prompt_tokens += res.prompt_tokens
+            self.result.cached_tokens += _cached_tokens(res.meta_info)
             self.result.completion_tokens += res.completion_tokens
             self._account(shard, tg)
             self._feed_canary(row)
@@ -315,3 +342,8 @@ class InferencePool:
             self.result.truncation_retries += 1
             res = again
         return res, done
+
+def _cached_tokens(meta: Mapping[str, Any]) -> int:
+    """``meta_info.cached_tokens`` (SGLang's prefix-cache hits for the request); 0 when absent."""
+    value = meta.get("cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

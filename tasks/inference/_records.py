@@ -78,6 +78,7 @@ class DatasetResult:
     requests: int = 0  # HTTP requests, retries included
     retries: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served by the server's prefix cache (meta_info)
     completion_tokens: int = 0
     elapsed_s: float = 0.0
     complete: bool = False

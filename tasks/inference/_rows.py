@@ -1,8 +1,8 @@
 """Journal records of tasks.inference: generated rows, rejects, and the reasoning split.
 
-``RowBuilder`` holds what every row of one run shares (dataset, parser, model, sampling, server) and
-turns an input row into a prompt, a server answer into a journal row, and a failure into a reject
-record. Journal records carry private ``_pos``/``_attempts``/``_reject`` keys that the committed
+``RowBuilder`` holds what every row of one run shares (dataset, parser, model, sampling, server,
+provenance) and turns an input row into a prompt, a server answer into a journal row, and a failure
+into a reject record. Journal records carry private ``_pos``/``_attempts``/``_reject`` keys that the committed
 shard drops (``public_reject``). Nothing here does I/O.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from tasks.inference._client import GenerateResult
+from tasks.inference._provenance import Provenance
 from tasks.prompts import opens_think, render_row
 from tasks.reasoning import split_reasoning
 
@@ -33,6 +34,7 @@ class RowBuilder:
     server_fingerprint: str
     template: Any  # tasks.prompts.ChatTemplate | None
     template_kwargs: Mapping[str, Any]
+    provenance: Provenance
     truncation_json: str | None = None  # the rows' truncation_policy column
 
     @staticmethod
@@ -92,6 +94,8 @@ class RowBuilder:
             "budget_capped": res.capped,
             "truncation_retries": truncation_retries,
             "truncation_policy": self.truncation_json,
+            # a row without a pre-rendered prompt was rendered by the chat template
+            **self.provenance.columns(templated=row.prompt is None),
             "_pos": pos,
             "_attempts": res.attempts,
         }

@@ -12,6 +12,7 @@ from typing import Any
 
 from tasks.inference._budget import TruncationPolicy
 from tasks.inference._client import ClientConfig
+from tasks.inference._order import ORDERS
 from tasks.inference._records import DEFAULT_SAMPLING
 
 __all__ = ["AUTO", "Endpoint", "InferenceSettings"]
@@ -55,6 +56,13 @@ class InferenceSettings:
         canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
             handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
         truncation: how rows that finish by length are generated again with a larger budget.
+        order: ``prefix``: rows of a window that share a long prompt prefix are sent together, so
+            the server's prefix cache serves them (``tasks.inference._order``); ``input``: input order.
+            The rows are stored in input order either way.
+        order_window: rows per reordering window (None: ``window_for(concurrency)``).
+
+    Raises:
+        ValueError: an unknown ``order`` or an ``order_window`` below 1.
     """
 
     shard_size: int
@@ -67,3 +75,22 @@ class InferenceSettings:
     run_info: Mapping[str, Any] = field(default_factory=dict)
     canary_rows: int = 0
     truncation: TruncationPolicy = field(default_factory=TruncationPolicy)
+    order: str = "prefix"
+    order_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.order_window is not None and self.order_window < 1:
+            raise ValueError(f"order_window must be >= 1, got {self.order_window}")
+
+    def window_for(self, concurrency: int) -> int:
+        """Rows per reordering window: ``order_window``, else 32x the requests in flight, within
+        [256, 4096]; 1 for ``input`` order. A larger window makes larger groups (only a group's
+        first row misses the cache), but it is read ahead of the sends: it bounds the memory held
+        and how long a shard's commit may wait."""
+        if self.order == "input":
+            return 1
+        if self.order_window is not None:
+            return self.order_window
+        return max(256, min(4096, 32 * concurrency))

@@ -22,18 +22,26 @@ from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
 
 __all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
 
+_NULLABLE = {f.name: f.nullable for f in ROW_SCHEMA}
+
 
 def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
     """Build a ROW_SCHEMA table from row dicts (journal form: ``generated_at`` as ISO text).
 
+    A nullable column a row lacks is null: a journal row written before that column existed (a
+    datagen upgrade between a crash and the resume) commits with it unknown instead of failing.
+
     Raises:
-        KeyError: a row lacks a column.
+        KeyError: a row lacks a non-nullable column.
         pyarrow.ArrowInvalid: a value has the wrong type.
     """
     cols: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
     for row in rows:
         for name, values in cols.items():
-            values.append(row[name] if name != "generated_at" else _parse_ts(row[name]))
+            if name == "generated_at":
+                values.append(_parse_ts(row[name]))
+            else:
+                values.append(row[name] if name in row or not _NULLABLE[name] else None)
     return pa.table(cols, schema=ROW_SCHEMA)
 
 

@@ -6,6 +6,8 @@ Checks, in report order (vectorised over Arrow; only ``resplit`` parses rows one
     complete           rows + rejects of a shard equal its input slice; every shard committed
     unique_ids         one row per input id, within a shard and across a dataset
     fingerprint        one sampling, server, model and reasoning_parser value across the output
+    provenance         one model_revision and chat_template_hash across the output (nulls aside),
+                       unless ``allow_mixed_provenance``
     reasoning_present  reasoning where a parser is set or the prompt opened the think block
     tag_leak           no think/channel tag of any parser family in content or reasoning
     resplit            re-splitting raw gives the stored reasoning and content (a sample); without a

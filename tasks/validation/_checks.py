@@ -25,9 +25,11 @@ from tasks.validation._checks_rows import (
 )
 from tasks.validation._checks_structure import (
     judge_fingerprint,
+    judge_provenance,
     judge_schema,
     judge_unique,
     measure_fingerprint,
+    measure_provenance,
     measure_schema,
     measure_unique,
 )
@@ -40,6 +42,7 @@ _MEASURES: tuple[tuple[str, MeasureFn, JudgeFn], ...] = (
     ("schema", measure_schema, judge_schema),
     ("unique_ids", measure_unique, judge_unique),
     ("fingerprint", measure_fingerprint, judge_fingerprint),
+    ("provenance", measure_provenance, judge_provenance),
     ("reasoning_present", measure_reasoning, judge_reasoning),
     ("tag_leak", measure_tags, judge_tags),
     ("resplit", measure_resplit, judge_resplit),

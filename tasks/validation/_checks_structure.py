@@ -1,8 +1,9 @@
-"""Checks of a table's structure: ``schema``, ``unique_ids`` and ``fingerprint``."""
+"""Checks of a table's structure: ``schema``, ``unique_ids``, ``fingerprint`` and ``provenance``."""
 
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tasks.schema import ROW_SCHEMA
 from tasks.validation._results import Check, Context
@@ -91,4 +92,54 @@ def judge_fingerprint(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         f"mixed fingerprints in {ctx.label}: " + "; ".join(parts) + "; rows were generated under "
         "different settings (a resume with changed sampling, server flags or parser): rerun the "
         "minority shards with the settings of the rest, or `datagen resplit` for a parser mismatch",
+    )
+
+
+# provenance ---------------------------------------------------------------------------------------
+# Columns whose mix in one output is a silent quality bug (a drafter trained on two templates or two
+# checkpoints); null values (pre-rendered prompts, a model directory not readable) are not a value.
+PROVENANCE_COLUMNS = ("model_revision", "chat_template_hash")
+_PROVENANCE_WHAT = {"model_revision": "model revisions", "chat_template_hash": "chat templates"}
+
+
+def measure_provenance(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
+    cols = [c for c in PROVENANCE_COLUMNS if needs(table, c) is None]
+    if not cols:
+        return {"unknown": "provenance columns missing (written by an older datagen)"}
+    where = ctx.shard_index if ctx.shard_index is not None else -1
+    values = {c: counts(pc.drop_null(table.column(c))) for c in cols}
+    return {"values": values, "shards": {c: {v: {ctx.dataset: [where]} for v in values[c]} for c in cols}}
+
+
+def _where(by_dataset: dict[str, list[int]], label_datasets: bool) -> str:
+    parts = []
+    for dataset, shards in sorted(by_dataset.items()):
+        known = sorted(set(shards) - {-1})
+        in_shards = f"shards {ranges(known)}" if known else ""
+        parts.append(" ".join(p for p in (dataset if label_datasets else "", in_shards) if p))
+    shown = ", ".join(p for p in parts if p)
+    return f" in {shown}" if shown else ""
+
+
+def judge_provenance(s: Stats, ctx: Context, thr: Thresholds) -> Check:
+    mixed = {c: v for c, v in s["values"].items() if len(v) > 1}
+    if not mixed:
+        return Check("provenance", "pass", 1, 1, "one model revision and chat template")
+    many = len({d for col in mixed for by in s["shards"][col].values() for d in by}) > 1
+    parts = []
+    for col, by_value in mixed.items():
+        shown = []
+        for value, n in sorted(by_value.items(), key=lambda kv: (-kv[1], kv[0]))[:3]:
+            shown.append(f"{value!r} ({n} rows{_where(s['shards'][col][value], many)})")
+        parts.append(f"{col}: {len(by_value)} values: " + ", ".join(shown))
+    what = " and ".join(_PROVENANCE_WHAT[c] for c in mixed)
+    status = "warn" if thr.allow_mixed_provenance else "fail"
+    advice = ("allowed by allow_mixed_provenance" if thr.allow_mixed_provenance else
+              "rerun the minority shards with the model and template of the rest, or accept the mix with "
+              "[validation] allow_mixed_provenance = true (`datagen validate --threshold "
+              "allow_mixed_provenance=true`)")
+    return Check(
+        "provenance", status, max(len(v) for v in mixed.values()), 1,
+        f"mixed provenance in {ctx.label}: " + "; ".join(parts) + f"; rows were generated with different "
+        f"{what} (a resume after the model directory changed): {advice}",
     )

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from tasks.files import atomic_write_json
 from tasks.validation._checks import judge_all, measure_all
-from tasks.validation._checks_structure import judge_unique
+from tasks.validation._checks_structure import judge_provenance, judge_unique
 from tasks.validation._errors import BadOutput
 from tasks.validation._results import (
     REPORT_NAME,
@@ -271,6 +271,7 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
     manifest = load_manifest(out)
     datasets: list[DatasetValidation] = []
     samples: list[dict[str, Any]] = []
+    provenance: Stats = {}
     for name in sorted(manifest["datasets"]):
         entry = _dataset_entry(manifest, name, out)
         shards: list[ShardValidation] = []
@@ -283,13 +284,30 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
             shards.append(result)
         checks = _dataset_totals(name, entry, shards, ids, thr, out)
         for s in shards:
+            prov = s.stats.get("provenance")
+            if prov is not None and not prov.get("unknown"):
+                provenance = merge(provenance, prov) if provenance else prov
             s.stats = {}  # the totals are judged; free the per-shard counts
         datasets.append(DatasetValidation(name, sum(s.rows for s in shards), shards, checks))
+    if len(datasets) > 1 and provenance:
+        _judge_output_provenance(datasets, provenance, thr, out)
     report = ValidationReport(str(out), datasets, thr, samples=samples)
     report.elapsed_s = time.perf_counter() - started
     if write:
         write_report(out, report)
     return report
+
+
+def _judge_output_provenance(datasets: list[DatasetValidation], stats: Stats, thr: Thresholds,
+                             out: Path) -> None:
+    """One model revision and chat template across the output's datasets: a mix across datasets
+    replaces the passing ``provenance`` total of every dataset with the output-wide check."""
+    ctx = Context(dataset="*", out_dir=str(out), rows_label=f"the datasets of {out}")
+    check = judge_provenance(stats, ctx, thr)
+    if check.status == "pass":
+        return
+    for d in datasets:
+        d.checks = [check if c.name == "provenance" and c.status == "pass" else c for c in d.checks]
 
 
 def write_report(out_dir: str | os.PathLike[str], report: ValidationReport) -> Path:

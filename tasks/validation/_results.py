@@ -18,6 +18,7 @@ CHECK_ORDER = (
     "complete",
     "unique_ids",
     "fingerprint",
+    "provenance",
     "reasoning_present",
     "tag_leak",
     "resplit",

@@ -20,7 +20,8 @@ class Thresholds:
     ``chars_per_token_min/max``: the band of characters per completion token, for the shard as a whole
     and for rows with at least ``token_ratio_min_tokens`` tokens. ``resplit_sample_rows``: rows per
     shard re-split in Python (0 = all). ``min_rows_for_rate``: below it a rate check fails only when
-    every row breaches. ``allow_mixed_server``: mixed server fingerprints only warn. ``min_rows``: a
+    every row breaches. ``allow_mixed_server``: mixed server fingerprints only warn;
+    ``allow_mixed_provenance``: mixed model revisions or chat templates only warn. ``min_rows``: a
     dataset with fewer rows fails (an empty or all-rejected input must not pass, nor move ``latest``);
     ``reject_max_rate``/``reject_warn_rate``: input rows sent to ``_rejects/`` among all input rows.
     ``canary_rows``: the first rows a run generates for a dataset (``canary_rows``, at most half the
@@ -42,6 +43,7 @@ class Thresholds:
     resplit_sample_rows: int = 64  # per shard; 0 = every row
     min_rows_for_rate: int = 20
     allow_mixed_server: bool = False
+    allow_mixed_provenance: bool = False
     min_rows: int = 1
     reject_max_rate: float = 0.2
     reject_warn_rate: float = 0.05

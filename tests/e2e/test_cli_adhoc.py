@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
@@ -35,3 +36,8 @@ def test_input_run_on_a_two_gpu_host_completes_on_one_gpu(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"completed: 12 rows in {out}" in res.stdout
     assert [s.rows for s in OutputDir(out).committed_shards("prompts")] == [12]
+    # the flow's validation wrote the dataset card, and the rows name the flow run that made them
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nconfigs:\n") and "| `prompts` | 12 | 0 | 1 of 1 |" in card
+    run_ids = pq.read_table(list(OutputDir(out).committed_shards("prompts"))[0].path, columns=["run_id"]).column(0)
+    assert len(set(run_ids.to_pylist())) == 1 and f"- run_id: `{run_ids[0]}` (12 rows)" in card

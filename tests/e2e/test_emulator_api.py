@@ -197,3 +197,14 @@ def test_reasoning_formats_by_family(tmp_path: Path, emulator_factory) -> None: 
         msg = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         msg = msg["choices"][0]["message"]
         assert msg["reasoning_content"] and "◁" not in msg["content"]
+
+
+def test_generate_reports_cached_tokens_of_a_shared_prefix(client: httpx.Client) -> None:
+    system = "You are a careful assistant who answers in one sentence. " * 3
+    metas = [client.post("/generate", json={"text": system + q, "sampling_params": {"max_new_tokens": 4}}
+                         ).json()["meta_info"] for q in ("Why is the sky blue?", "Why is grass green?")]
+    shared = count_tokens(system + "Why is")
+    assert metas[1]["cached_tokens"] == shared and metas[1]["prompt_tokens"] == count_tokens(system + "Why is grass green?")
+    again = client.post("/generate", json={"text": system + "Why is grass green?",
+                                           "sampling_params": {"max_new_tokens": 4}}).json()["meta_info"]
+    assert again["cached_tokens"] == again["prompt_tokens"] - 1  # SGLang computes the last token itself

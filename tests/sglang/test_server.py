@@ -30,6 +30,7 @@ from tasks.inference import (
     GenerateResult,
     PromptTooLong,
     RequestRejected,
+    engine_of,
 )
 from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
 from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
@@ -107,6 +108,19 @@ def test_generate_request_and_response_as_the_client_reads_them(live: Live) -> N
     assert meta["id"] == "row-1"
     assert meta["prompt_tokens"] == res.prompt_tokens and meta["completion_tokens"] == res.completion_tokens
     assert {"finish_reason", "cached_tokens", "e2e_latency"} <= set(meta)
+
+
+def test_engine_version_and_cached_tokens_as_the_emulator_models_them(live: Live) -> None:
+    async def info() -> dict[str, Any] | None:
+        async with GenerateClient(live.handle.url, ClientConfig(api_key=live.key, max_attempts=1)) as client:
+            return await client.server_info()
+
+    assert engine_of(asyncio.run(info())) == ("sglang", "0.5.23")
+    text = PROMPT + " Answer in one word."
+    _generate(live, text, {"max_new_tokens": 2, "temperature": 0.0}, "cache-1")
+    again = _generate(live, text, {"max_new_tokens": 2, "temperature": 0.0}, "cache-2")
+    # the radix cache serves every prompt token but the last, which SGLang computes itself
+    assert again.meta_info["cached_tokens"] == again.prompt_tokens - 1
 
 
 def test_requests_without_the_key_are_refused(live: Live) -> None:

@@ -19,6 +19,8 @@ from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
 
 SAMPLING = json.dumps({"max_new_tokens": 1024, "temperature": 0.6}, sort_keys=True)
 SERVER = "sglang-0.5.4:qwen3:tp1:mfs0.88:abc123"
+MODEL_REVISION = "sha256:0123456789abcdef"
+TEMPLATE_HASH = "sha256:fedcba9876543210"
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
@@ -55,6 +57,12 @@ def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_pro
         "generated_at": NOW,
         "latency_s": 1.5,
         "max_new_tokens": 1024, "budget_capped": False, "truncation_retries": 0, "truncation_policy": None,
+        "model_revision": MODEL_REVISION,
+        "engine": "sglang",
+        "engine_version": "0.5.23",
+        "chat_template_hash": TEMPLATE_HASH,
+        "run_id": "run-1",
+        "attempt": 1,
     }
 
 

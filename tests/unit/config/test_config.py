@@ -76,6 +76,8 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[server]\ntp_szie = 2\n", "server.tp_szie", "unknown key"),
         (BASE + "[run]\nshard_size = 0\n", "run.shard_size", "not a positive integer"),
         (BASE + "[run]\nconcurrency = true\n", "run.concurrency", "not a positive integer"),
+        (BASE + '[run]\norder = "lpm"\n', "run.order", "'lpm' is not one of prefix, input"),
+        (BASE + "[run]\norder_window = 0\n", "run.order_window", "not a positive integer"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file
         (BASE + "[sim_gpus]\ncount = 2\n", "sim_gpus", "need server.backend"),
         (BASE + "[output]\nversioned = 1\n", "output.versioned", "true or false"),
@@ -92,6 +94,16 @@ def test_invalid_configs_name_file_and_key(tmp_path: Path, body: str, key: str, 
     assert msg.startswith(str(f.resolve()) if "cannot read" not in msg else str(f))
     if fragment:
         assert f"{key}: " in msg and fragment in msg
+
+
+def test_run_order_reaches_the_inference_settings(tmp_path: Path) -> None:
+    from flows.context import RunContext
+
+    assert (load_partition(_write(tmp_path, BASE)).order, load_partition(_write(tmp_path, BASE)).order_window) == (
+        "prefix", None)
+    cfg = load_partition(_write(tmp_path, BASE + '[run]\norder = "input"\norder_window = 64\n'))
+    settings = RunContext.build(cfg, None, None).inference()  # type: ignore[arg-type]
+    assert (settings.order, settings.order_window, settings.window_for(32)) == ("input", 64, 1)
 
 
 def test_unknown_partition_lists_known_ones() -> None:

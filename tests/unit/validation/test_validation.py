@@ -55,7 +55,7 @@ def test_clean_output_passes_and_writes_report(tmp_path):
     assert doc["verdict"] == "pass" and doc["rows"] == 120
     assert sorted(doc["datasets"]["glaive"]["shards"]) == ["0", "1", "2"]
     assert {c["name"] for c in doc["datasets"]["glaive"]["total"]} == {
-        "schema", "complete", "unique_ids", "fingerprint", "reasoning_present", "tag_leak", "resplit",
+        "schema", "complete", "unique_ids", "fingerprint", "provenance", "reasoning_present", "tag_leak", "resplit",
         "empty_content", "truncation", "finish_reason", "token_counts", "volume"}
     assert doc["samples"][0]["id"] == "glaive-000000"
     assert "PASS (120 rows" in report.summary()
@@ -210,8 +210,8 @@ def test_truncation_above_threshold(tmp_path):
         "[sampling] max_new_tokens (within the context length), generate truncated rows again with a larger "
         "budget ([run.truncation] retries), or accept by raising truncation_max_rate")
     # Below the threshold it only warns; a partition may raise the threshold.
-    assert validate_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA),
-                          Thresholds.from_dict({"truncation_max_rate": 0.25}))[7].status == "warn"
+    assert by_name(validate_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA),
+                                  Thresholds.from_dict({"truncation_max_rate": 0.25})))["truncation"].status == "warn"
 
 
 def test_small_tail_shard_only_fails_when_every_row_breaches(tmp_path):
