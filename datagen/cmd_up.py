@@ -5,10 +5,15 @@
      ``<project>/.prefect``; analytics off), unless ``--api-url`` names one that is already up;
   2. the process work pool ``gpu`` and one global concurrency limit ``gpu:<host>`` (limit 1) per GPU
      target of every partition, so two partitions never launch servers on one host;
-  3. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``);
-  4. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
+  3. the automation that notifies a failed, crashed or cancelled deployment run (datagen/_notify.py;
+     ``--notify`` / ``$DATAGEN_NOTIFY_BLOCK`` names the Slack, email or webhook block it sends to);
+  4. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``), their schedules
+     (the nightly ``all``) on only with ``--schedule`` / ``$DATAGEN_SCHEDULE=1``, off with
+     ``--no-schedule``, else as the server had them (off on a new server);
+  5. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
 and prints the UI URL and the next step (``export PREFECT_API_URL=...``, then a deployment run).
-The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200. Pids go to ``<project>/.run/*.pid``
+The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200; the server is told its own API
+URL, so its UI works on any port. Pids go to ``<project>/.run/*.pid``
 (``$DATAGEN_RUN_DIR`` or ``--run-dir`` elsewhere; with process start times, so a recycled pid is
 never signalled); `down` stops exactly those processes and nothing else.
 
@@ -239,6 +244,12 @@ def up(args: argparse.Namespace) -> int:
 
     names = _setup_api_objects(api_url)
     print(f"work pool {POOL!r} (process); global concurrency limits: {', '.join(names) or 'none'}")
+    # Before the deploy, so a misnamed notification block stops `up` before anything changes.
+    automation = ensure_failure_automation(api_url, args.notify)
+    where = (f"notifies {args.notify}" if args.notify else
+             f"actions {', '.join(automation['actions'])} (route it: --notify <block-type>/<block-name> "
+             f"or ${NOTIFY_ENV})")
+    print(f"failure automation {AUTOMATION_NAME!r}: {'created' if automation['created'] else 'updated'}, {where}")
 
     schedules_before = schedule_states(api_url)
     deploy_log = run_dir / "deploy.log"
@@ -256,11 +267,6 @@ def up(args: argparse.Namespace) -> int:
     active = apply_schedules(api_url, schedules_before, args.schedule)
     print("schedules active: " + ", ".join(active) if active else
           "schedules: none active (`datagen up --schedule` or DATAGEN_SCHEDULE=1 turns on the nightly `all`)")
-    automation = ensure_failure_automation(api_url, args.notify)
-    where = (f"notifies {args.notify}" if args.notify else
-             f"actions {', '.join(automation['actions'])} (route it: --notify <block-type>/<block-name> "
-             f"or ${NOTIFY_ENV})")
-    print(f"failure automation {AUTOMATION_NAME!r}: {'created' if automation['created'] else 'updated'}, {where}")
 
     if not args.no_worker:
         worker = _read_pid(run_dir, "worker")
