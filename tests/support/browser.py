@@ -54,11 +54,14 @@ class Page:
     def text(self) -> str:
         return str(self.driver.find_element(By.TAG_NAME, "body").text)
 
-    def wait_for(self, ok: Callable[[str], bool], what: str, timeout_s: float = 45.0) -> str:
-        """The page text once ``ok(text)`` holds; fails naming ``what`` and showing the text."""
+    def wait_for(self, ok: Callable[[str], bool], what: str, timeout_s: float = 45.0, scroll: bool = False) -> str:
+        """The page text once ``ok(text)`` holds; fails naming ``what`` and showing the text.
+        ``scroll``: scroll to the bottom while waiting (the UI loads some lists only when in view)."""
         deadline = time.monotonic() + timeout_s
         text = ""
         while time.monotonic() < deadline:
+            if scroll:
+                self.driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
             try:
                 text = self.text()
             except WebDriverException:
@@ -68,15 +71,15 @@ class Page:
             time.sleep(0.3)
         raise AssertionError(f"the page {self.driver.current_url} never showed {what}; it shows:\n{text[:3000]}")
 
-    def wait_text(self, needle: str, timeout_s: float = 45.0) -> str:
-        return self.wait_for(lambda t: needle in t, repr(needle), timeout_s)
+    def wait_text(self, needle: str, timeout_s: float = 45.0, scroll: bool = False) -> str:
+        return self.wait_for(lambda t: needle in t, repr(needle), timeout_s, scroll)
 
     def click_text(self, text: str, timeout_s: float = 30.0) -> None:
         """Click the first visible element whose own text is ``text`` (a tab, a link)."""
-        xpath = f"//*[normalize-space(text())={text!r}]"
+        xpath = f"//*[normalize-space(.)={text!r}]"
         deadline = time.monotonic() + timeout_s
         while True:
-            for el in self.driver.find_elements(By.XPATH, xpath):
+            for el in reversed(self.driver.find_elements(By.XPATH, xpath)):  # the innermost first
                 try:
                     if el.is_displayed():
                         el.click()
@@ -84,7 +87,8 @@ class Page:
                 except WebDriverException:
                     continue
             if time.monotonic() > deadline:
-                raise AssertionError(f"no visible {text!r} to click on {self.driver.current_url}")
+                raise AssertionError(f"no visible {text!r} to click on {self.driver.current_url}; it shows:\n"
+                                     f"{self.text()[:3000]}")
             time.sleep(0.3)
 
     def shot(self, name: str) -> Path | None:
