@@ -9,6 +9,7 @@ One Prefect server, worker and browser for the module, stopped by pid at the end
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,9 +25,11 @@ import httpx
 import pytest
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.variables import Variable
 
 from datagen._notify import AUTOMATION_NAME
 from datagen.cmd_up import apply_schedules
+from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key, variable_name
 from tests.support.browser import SHOTS_ENV, Page
 from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
@@ -230,7 +233,48 @@ def test_failed_and_cancelled_runs_notify_the_block(stack: dict[str, Any], hook:
     assert not [b for b in hook.bodies if demo["name"] in json.dumps(b)]  # a completed run is quiet
 
 
+@pytest.fixture(scope="module")
+def learned(stack: dict[str, Any]) -> Iterator[dict[str, str]]:
+    """A fraction learned under the old hashed Variable name (reasoning parser in the key), then
+    used and updated by this version: ``{"legacy": old name, "name": new name}``."""
+    cfg = ServerConfig(model_path="/models/Qwen3-8B", tp_size=8, reasoning_parser="qwen3")
+    key = memory_key(cfg, "gpu-ui", "NVIDIA H200")
+    assert key.legacy is not None
+    legacy = "datagen_fraction_" + hashlib.sha256(key.legacy.encode()).hexdigest()[:24]
+    old = {"key": key.legacy, "fraction": 0.83, "headroom_gib": 5.47, "runtime_oom_at": 0.88, "updated_at": "t",
+           "history": ["2026-01-01T00:00:00Z launched at 0.88, headroom 5.47 GB"]}
+    with temporary_settings({PREFECT_API_URL: stack["api_url"]}):
+        Variable.set(legacy, old)
+        mem = FractionMemory(PrefectStore())
+        entry = mem.get(key)
+        assert entry is not None and (entry.fraction, entry.runtime_oom_at) == (0.83, 0.88)
+        mem.remember_success(key, 0.83, 5.5)
+    yield {"legacy": legacy, "name": variable_name(key)}
+
+
+def test_learned_fractions_move_to_readable_variables(stack: dict[str, Any], learned: dict[str, str]) -> None:
+    names = {v["name"]: v["value"] for v in stack["api"].http.post("/variables/filter", json={}).json()}
+    assert learned["legacy"] not in names
+    assert learned["name"] == "datagen_fraction_gpu-ui_qwen3-8b_tp8_nvidia-h200_" + learned["name"][-8:]
+    value = names[learned["name"]]
+    assert (value["fraction"], value["runtime_oom_at"], value["headroom_gib"]) == (0.83, 0.88, 5.5)
+    assert value["history"][0].endswith("headroom 5.47 GiB")
+    status = subprocess.run([DATAGEN, "status"], env=dict(stack["env"], PREFECT_API_URL=stack["api_url"]),
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert ("learned memory fraction: 0.83 for gpu-ui, /models/Qwen3-8B, tp 8, NVIDIA H200 (headroom 5.5 GiB; "
+            "runtime OOM at 0.88; updated ") in status.stdout
+    assert f"[prefect: {learned['name']}]" in status.stdout
+
+
 # ------------------------------------------------------------------------------ in a browser
+
+
+def test_browser_variables_page_shows_readable_fraction_names(stack: dict[str, Any], learned: dict[str, str],
+                                                             browser: Page) -> None:
+    browser.open(f"http://127.0.0.1:{stack['port']}/variables")
+    browser.wait_text(learned["name"])
+    browser.shot("variables")
 
 
 def _artifacts(api: PrefectApi, run_id: str) -> list[dict[str, Any]]:
@@ -284,4 +328,6 @@ def test_browser_failed_validation_run(stack: dict[str, Any], runs: dict[str, st
 def test_browser_relaunched_run(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:
     browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{runs['relaunched']}")
     browser.wait_text("Completed")
+    browser.click_text("Task Runs")
+    browser.wait_text("recover-")  # the task that classified the crash and relaunched the server
     browser.shot("run-relaunched")

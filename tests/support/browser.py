@@ -60,8 +60,10 @@ class Page:
         deadline = time.monotonic() + timeout_s
         text = ""
         while time.monotonic() < deadline:
-            if scroll:
-                self.driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
+            if scroll:  # the UI scrolls inside containers, not the window
+                self.driver.execute_script(
+                    "document.querySelectorAll('*').forEach(e => {"
+                    " if (e.scrollHeight > e.clientHeight) e.scrollTop = e.scrollHeight; });")
             try:
                 text = self.text()
             except WebDriverException:
