@@ -295,6 +295,7 @@ def test_browser_run_list_shows_the_demo_run(stack: dict[str, Any], runs: dict[s
     browser.open(f"http://127.0.0.1:{stack['port']}/runs")
     text = browser.wait_text(name)
     assert "Can't connect to Server API" not in text
+    browser.show(name)
     browser.shot("runs-list")
 
 

@@ -93,6 +93,12 @@ class Page:
                                      f"{self.text()[:3000]}")
             time.sleep(0.3)
 
+    def show(self, text: str) -> None:
+        """Scroll the innermost element whose text is ``text`` to the middle of the view."""
+        found = self.driver.find_elements(By.XPATH, f"//*[normalize-space(.)={text!r}]")
+        if found:
+            self.driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", found[-1])
+
     def shot(self, name: str) -> Path | None:
         """Save a PNG as ``<shots>/<name>.png`` when screenshots were asked for (``$DATAGEN_UI_SHOTS``)."""
         if self.shots is None:
