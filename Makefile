@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu
+.PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu ui-shots
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ up: $(STAMP)
 
 down: $(STAMP)
 	$(VENV)/bin/datagen down
+
+# The README's Prefect UI screenshots (docs/ui/*.png): the UI tests in a real headless Chromium
+# (apt-get install chromium chromium-driver) against `datagen up` on a spare port, with a relaunched
+# and a failed-validation run.
+ui-shots: $(STAMP)
+	DATAGEN_UI_SHOTS=$(CURDIR)/docs/ui $(PY) -m pytest tests/e2e/test_ui.py -p no:cacheprovider -q
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

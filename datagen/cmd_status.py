@@ -1,11 +1,12 @@
 """`datagen status OUT_DIR`: how far an output is, who writes it, what memory fraction was learned.
 
-    datagen status OUT_DIR [--json]
+    datagen status [OUT_DIR] [--json]
 
-Prints shards committed/total and rows per dataset, open journals, committed shards whose file is
+Without OUT_DIR: only the remembered fractions. With it, prints shards committed/total and rows per dataset, open journals, committed shards whose file is
 missing or fails its sha256, the lock holder (host, pid, flow run) when a live process holds
 ``OUT/_lock``, the last validation verdict, and the ``--mem-fraction-static`` values
-tasks.server._tuner remembers (with headroom and runtime OOMs).
+tasks.server._tuner remembers: per host, model, tp and GPU, the fraction, headroom (GiB), the lowest
+fraction that OOMed at run time, and where it is kept (the Prefect Variable's name, or the file).
 
 Exit codes:
   0  printed; every committed shard matches the manifest
@@ -61,12 +62,15 @@ def status(out: Path) -> dict[str, Any]:
             validation = json.loads(vpath.read_text()).get("verdict")
         except ValueError:
             validation = "unreadable"
-    try:
-        fractions = list_remembered()
-    except Exception as exc:  # the memory store is advisory here
-        fractions = [{"error": str(exc)}]
     return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
-            "lock_holder": od.lock_holder(), "validation": validation, "learned_fractions": fractions}
+            "lock_holder": od.lock_holder(), "validation": validation, "learned_fractions": _fractions()}
+
+
+def _fractions() -> list[dict[str, Any]]:
+    try:
+        return list_remembered()
+    except Exception as exc:  # the memory store is advisory here
+        return [{"error": str(exc)}]
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -87,28 +91,44 @@ def render(doc: dict[str, Any]) -> str:
     else:
         lines.append("lock: free")
     lines.append(f"validation: {doc['validation'] or 'not run'}")
-    fr = doc["learned_fractions"]
-    if not fr:
-        lines.append("learned memory fraction: none yet")
-    for e in fr:
+    lines.extend(render_fractions(doc["learned_fractions"]))
+    return "\n".join(lines)
+
+
+def render_fractions(entries: list[dict[str, Any]]) -> list[str]:
+    """One line per remembered fraction, for people."""
+    if not entries:
+        return ["learned memory fraction: none yet"]
+    lines = []
+    for e in entries:
         if "error" in e:
             lines.append(f"learned memory fraction: unavailable ({e['error']})")
             continue
-        oom = f", runtime OOM at {e['runtime_oom_at']}" if e.get("runtime_oom_at") is not None else ""
-        lines.append(f"learned memory fraction: {e.get('fraction')} (headroom {e.get('headroom_gib')} GiB{oom}) "
-                     f"for {e.get('key')} [{e.get('store')}]")
-    return "\n".join(lines)
+        fraction = "SGLang's default" if e.get("fraction") is None else f"{e['fraction']:g}"
+        notes = [f"headroom {e['headroom_gib']:g} GiB" if e.get("headroom_gib") is not None else "headroom unknown"]
+        if e.get("runtime_oom_at") is not None:
+            notes.append(f"runtime OOM at {e['runtime_oom_at']:g}")
+        if e.get("updated_at"):
+            notes.append(f"updated {e['updated_at']}")
+        lines.append(f"learned memory fraction: {fraction} for {e.get('what') or e.get('key')} "
+                     f"({'; '.join(notes)}) [{e.get('store')}: {e.get('where')}]")
+    return lines
 
 
 @reports_errors("datagen status")
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.",
                                 epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", nargs="?", help="an output directory (without it: the remembered fractions only)")
     p.add_argument("--json", action="store_true")
     args = parse_args(p, argv)
     if isinstance(args, int):
         return args
+    if args.out_dir is None:
+        fractions = _fractions()
+        print(json.dumps({"learned_fractions": fractions}, indent=1, default=str) if args.json
+              else "\n".join(render_fractions(fractions)))
+        return EXIT_OK
     doc = status(Path(args.out_dir))
     print(json.dumps(doc, indent=1, default=str) if args.json else render(doc))
     return EXIT_FAILED if any(d["damaged"] for d in doc["datasets"].values()) else EXIT_OK

@@ -5,10 +5,15 @@
      ``<project>/.prefect``; analytics off), unless ``--api-url`` names one that is already up;
   2. the process work pool ``gpu`` and one global concurrency limit ``gpu:<host>`` (limit 1) per GPU
      target of every partition, so two partitions never launch servers on one host;
-  3. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``);
-  4. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
+  3. the automation that notifies a failed, crashed or cancelled deployment run (datagen/_notify.py;
+     ``--notify`` / ``$DATAGEN_NOTIFY_BLOCK`` names the Slack, email or webhook block it sends to);
+  4. every deployment of prefect.yaml (``prefect --no-prompt deploy --all``), their schedules
+     (the nightly ``all``) on only with ``--schedule`` / ``$DATAGEN_SCHEDULE=1``, off with
+     ``--no-schedule``, else as the server had them (off on a new server);
+  5. a process worker on the pool (its environment carries DATAGEN_HOME so flow runs find the code);
 and prints the UI URL and the next step (``export PREFECT_API_URL=...``, then a deployment run).
-The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200. Pids go to ``<project>/.run/*.pid``
+The port is ``--port``, else ``$DATAGEN_PREFECT_PORT``, else 4200; the server is told its own API
+URL, so its UI works on any port. Pids go to ``<project>/.run/*.pid``
 (``$DATAGEN_RUN_DIR`` or ``--run-dir`` elsewhere; with process start times, so a recycled pid is
 never signalled); `down` stops exactly those processes and nothing else.
 
@@ -26,12 +31,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 
 from datagen._api_server import LEASE_STORAGE
 from datagen._cli import EXIT_OK, EXIT_USAGE, exit_codes, parse_args, reports_errors
+from datagen._notify import AUTOMATION_NAME, NOTIFY_ENV, ensure_failure_automation
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
@@ -40,6 +47,7 @@ from tasks.procs import ProcessIdentity, process_started, same_process, terminat
 
 POOL = "gpu"
 DEFAULT_PORT = 4200
+SCHEDULE_ENV = "DATAGEN_SCHEDULE"
 
 
 class UpError(DatagenError, RuntimeError):
@@ -120,6 +128,15 @@ def _wait_healthy(api_url: str, proc_pid: int | None, log: Path | None, deadline
     raise UpError(f"prefect server not healthy after {deadline_s:.0f} s:\n{_tail(log) if log else ''}")
 
 
+def server_env(env: dict[str, str], api_url: str) -> dict[str, str]:
+    """The environment of the server process: its UI fetches ``/ui-settings`` to learn where the API
+    is, and Prefect answers with PREFECT_SERVER_UI_API_URL, else PREFECT_API_URL, else port 4200: an
+    API on another port, or a PREFECT_API_URL of another server in the caller's shell, would leave
+    every UI page empty or showing that other server."""
+    return dict(env, PREFECT_API_URL=api_url, PREFECT_SERVER_UI_API_URL=api_url,
+                PREFECT_UI_URL=api_url.removesuffix("/api"))
+
+
 def gpu_limit_names() -> list[str]:
     """``gpu:<host>`` for every target of every partition config."""
     names: set[str] = set()
@@ -143,6 +160,37 @@ def _setup_api_objects(api_url: str) -> list[str]:
         names = gpu_limit_names()
         ensure_limits(names)
     return names
+
+
+def _datagen_deployments(http: httpx.Client) -> list[dict[str, Any]]:
+    body = {"flows": {"name": {"any_": ["datagen"]}}}
+    return list(http.post("/deployments/filter", json=body).raise_for_status().json())
+
+
+def schedule_states(api_url: str) -> dict[str, bool]:
+    """``{"<deployment>/<schedule slug or id>": active}`` for every schedule of a datagen deployment."""
+    with httpx.Client(base_url=api_url, timeout=30) as http:
+        return {f"{d['name']}/{s.get('slug') or s['id']}": bool(s["active"])
+                for d in _datagen_deployments(http) for s in d.get("schedules") or []}
+
+
+def apply_schedules(api_url: str, before: dict[str, bool], want: bool | None) -> list[str]:
+    """Set each datagen schedule active when ``want`` is True, inactive when False, and as it was
+    ``before`` the deploy when None (prefect.yaml deploys them inactive, so a fresh server runs
+    nothing on its own). Returns the active ones as ``datagen/<deployment> <cron> <tz>``."""
+    active_now = []
+    with httpx.Client(base_url=api_url, timeout=30) as http:
+        for d in _datagen_deployments(http):
+            for s in d.get("schedules") or []:
+                active = before.get(f"{d['name']}/{s.get('slug') or s['id']}", False) if want is None else want
+                if bool(s["active"]) != active:
+                    http.patch(f"/deployments/{d['id']}/schedules/{s['id']}",
+                               json={"active": active}).raise_for_status()
+                if active:
+                    sched = s.get("schedule") or {}
+                    active_now.append(f"datagen/{d['name']} {sched.get('cron', sched)} {sched.get('timezone') or ''}"
+                                      .rstrip())
+    return sorted(active_now)
 
 
 def _ensure_pool() -> None:
@@ -184,7 +232,7 @@ def up(args: argparse.Namespace) -> int:
             log = run_dir / "server.log"
             pid = _start(
                 [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)],
-                log, env, root,
+                log, server_env(env, api_url), root,
             )
             _write_pid(run_dir, "server", pid)
             print(f"prefect server: pid {pid}, PREFECT_HOME={home}, log {log}")
@@ -196,7 +244,14 @@ def up(args: argparse.Namespace) -> int:
 
     names = _setup_api_objects(api_url)
     print(f"work pool {POOL!r} (process); global concurrency limits: {', '.join(names) or 'none'}")
+    # Before the deploy, so a misnamed notification block stops `up` before anything changes.
+    automation = ensure_failure_automation(api_url, args.notify)
+    where = (f"notifies {args.notify}" if args.notify else
+             f"actions {', '.join(automation['actions'])} (route it: --notify <block-type>/<block-name> "
+             f"or ${NOTIFY_ENV})")
+    print(f"failure automation {AUTOMATION_NAME!r}: {'created' if automation['created'] else 'updated'}, {where}")
 
+    schedules_before = schedule_states(api_url)
     deploy_log = run_dir / "deploy.log"
     with open(deploy_log, "wb") as fh:
         try:
@@ -209,6 +264,9 @@ def up(args: argparse.Namespace) -> int:
     if rc != 0:
         raise UpError(f"`prefect --no-prompt deploy --all` exited {rc}:\n{_tail(deploy_log)}")
     print("deployed: " + ", ".join(f"datagen/{p}" for p in list_partitions()))
+    active = apply_schedules(api_url, schedules_before, args.schedule)
+    print("schedules active: " + ", ".join(active) if active else
+          "schedules: none active (`datagen up --schedule` or DATAGEN_SCHEDULE=1 turns on the nightly `all`)")
 
     if not args.no_worker:
         worker = _read_pid(run_dir, "worker")
@@ -248,17 +306,40 @@ def down(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"${name}={value!r}: give 1 (on) or 0 (off), or unset it")
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("up", "down"):
         print("usage: datagen up|down [options]", file=sys.stderr)
         return EXIT_USAGE
     cmd, rest = argv[0], argv[1:]
+    try:
+        schedule_default = _env_flag(SCHEDULE_ENV)
+    except ConfigError as exc:
+        print(f"datagen {cmd}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     parser = argparse.ArgumentParser(prog=f"datagen {cmd}", epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", help="where pid files and logs go (default <project>/.run)")
     if cmd == "up":
         parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
         parser.add_argument("--api-url", help="use this running Prefect server instead of starting one")
         parser.add_argument("--no-worker", action="store_true", help="do not start a worker")
+        parser.add_argument("--schedule", action=argparse.BooleanOptionalAction, default=schedule_default,
+                            help="turn the deployments' schedules (the nightly `all`) on, or off with "
+                                 f"--no-schedule (default ${SCHEDULE_ENV}; unset: as they were, off on a "
+                                 "new server)")
+        parser.add_argument("--notify", default=os.environ.get(NOTIFY_ENV) or None, metavar="TYPE/NAME",
+                            help="notification block (e.g. slack-webhook/datagen-alerts) the failure "
+                                 f"automation sends to (default ${NOTIFY_ENV})")
     args = parse_args(parser, rest)
     if isinstance(args, int):
         return args

@@ -8,6 +8,7 @@ pytest_plugins = [
     "tests.support.sshd",
     "tests.support.prefect",
     "tests.support.sglang",
+    "tests.support.browser",
 ]
 
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -37,14 +38,17 @@ __all__ = [
     "FileStore",
     "FractionMemory",
     "MemoryEntry",
+    "MemoryKey",
     "MemoryStoreError",
     "PrefectStore",
     "Store",
+    "describe_key",
     "gpu_model_name",
     "list_remembered",
     "memory_key",
     "prefect_api_reachable",
     "state_dir",
+    "variable_name",
 ]
 
 # The tuner's logger: these records are part of what tasks.server._tuner reports.
@@ -57,28 +61,59 @@ class MemoryStoreError(DatagenError, RuntimeError):
     """The remembered-fractions store exists but cannot be read or written."""
 
 
-def memory_key(cfg: ServerConfig, target: Any, gpu_name: str) -> str:
-    """Key of a remembered fraction: host | model | tp | GPU model | hash of memory-relevant flags.
+# Flags that change neither weights nor KV cache: output parsing, names, address, auth. A key
+# without them means switching, say, the reasoning parser keeps what was learned for the model.
+_NOT_MEMORY = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size", "--reasoning-parser",
+               "--tool-call-parser"}
+# The same set before parsers were left out: keys made then still name their entries (MemoryKey.legacy).
+_NOT_MEMORY_LEGACY = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size"}
 
-    Host/port, the fraction itself, names and the API key do not change memory use and are left out.
-    """
-    tname = target if isinstance(target, str) else str(target)
-    host = socket.gethostname() if tname.strip() in ("", "local") else tname
-    flags = server_flags(cfg, None)
-    drop_with_value = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size"}
+
+class MemoryKey(str):
+    """A memory key (``host|model|tpN|GPU|flags-digest``) that also knows the key the same launch had
+    when the reasoning parser was part of it (``legacy``), so entries learned then are still found."""
+
+    legacy: str | None
+
+    def __new__(cls, value: str, legacy: str | None = None) -> MemoryKey:
+        key = super().__new__(cls, value)
+        key.legacy = legacy if legacy != value else None
+        return key
+
+
+def _flags_digest(cfg: ServerConfig, dropped: set[str]) -> str:
     kept: list[str] = []
     skip = False
-    for a in flags:
+    for a in server_flags(cfg, None):
         if skip:
             skip = False
             continue
-        if a in drop_with_value:
+        if a in dropped:
             skip = True
             continue
         kept.append(a)
-    digest = hashlib.sha256(json.dumps([cfg.backend, kept]).encode()).hexdigest()[:12]
-    model = os.path.normpath(cfg.model_path)
-    return f"{host}|{model}|tp{cfg.tp_size}|{gpu_name}|{digest}"
+    return hashlib.sha256(json.dumps([cfg.backend, kept]).encode()).hexdigest()[:12]
+
+
+def memory_key(cfg: ServerConfig, target: Any, gpu_name: str) -> MemoryKey:
+    """Key of a remembered fraction: host | model | tp | GPU model | digest of memory-relevant flags.
+
+    Host/port, the fraction itself, names, the API key and output parsers (reasoning, tool call) do
+    not change memory use and are left out.
+    """
+    tname = target if isinstance(target, str) else str(target)
+    host = socket.gethostname() if tname.strip() in ("", "local") else tname
+    head = f"{host}|{os.path.normpath(cfg.model_path)}|tp{cfg.tp_size}|{gpu_name}|"
+    return MemoryKey(head + _flags_digest(cfg, _NOT_MEMORY), legacy=head + _flags_digest(cfg, _NOT_MEMORY_LEGACY))
+
+
+def describe_key(key: str) -> str:
+    """``host, model, tp N, GPU`` for people (the flags digest left out)."""
+    parts = key.split("|")
+    if len(parts) != 5:
+        return key
+    host, model, tp, gpu, _ = parts
+    return f"{host}, {model}, tp {tp.removeprefix('tp')}, {gpu}"
 
 
 @dataclass
@@ -97,9 +132,21 @@ class MemoryEntry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MemoryEntry:
-        known = {k: d[k] for k in ("key", "fraction", "headroom_gib", "runtime_oom_at", "updated_at", "history")
-                 if k in d}
-        return cls(**known)
+        """Raises:
+            MemoryStoreError: ``d`` is not an entry (e.g. a hand edit left a number as text).
+        """
+        if not isinstance(d, dict) or not isinstance(d.get("key"), str):
+            raise MemoryStoreError(f"not a remembered fraction (no 'key' text): {d!r}")
+        for name in ("fraction", "headroom_gib", "runtime_oom_at"):
+            value = d.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise MemoryStoreError(f"{name} is {value!r}, not a number or null, in the entry for {d['key']}")
+        history = d.get("history") or []
+        if not isinstance(history, list):
+            raise MemoryStoreError(f"history is {history!r}, not a list, in the entry for {d['key']}")
+        return cls(key=d["key"], fraction=d.get("fraction"), headroom_gib=d.get("headroom_gib"),
+                   runtime_oom_at=d.get("runtime_oom_at"), updated_at=str(d.get("updated_at") or ""),
+                   history=[_gib(str(h)) for h in history])
 
 
 class Store(Protocol):
@@ -111,7 +158,12 @@ class Store(Protocol):
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry: ...
 
-    def entries(self) -> list[MemoryEntry]: ...
+    def named_entries(self) -> list[tuple[str, MemoryEntry]]: ...
+
+
+def _gib(line: str) -> str:
+    # Lines written before the unit was spelt GiB said "GB" for the same GiB figure.
+    return line[:-3] + " GiB" if line.endswith(" GB") else line
 
 
 def _now() -> str:
@@ -124,6 +176,22 @@ def _apply(entry: MemoryEntry, fn: Callable[[MemoryEntry], None]) -> MemoryEntry
     entry.updated_at = _now()
     entry.history = entry.history[-HISTORY_KEPT:]
     return entry
+
+
+def _entry(raw: Any, where: str) -> MemoryEntry | None:
+    """``raw`` as an entry, or None with a warning when it is not one (a hand edit gone wrong): the
+    tuner then starts as if nothing were remembered, and its next success overwrites ``where``."""
+    if raw is None:
+        return None
+    try:
+        return MemoryEntry.from_dict(raw)
+    except MemoryStoreError as exc:
+        log.warning("ignoring the remembered fraction in %s: %s (fix or delete it)", where, exc)
+        return None
+
+
+def _legacy(key: str) -> str | None:
+    return getattr(key, "legacy", None)
 
 
 class FileStore:
@@ -158,56 +226,95 @@ class FileStore:
     def _write(self, data: dict[str, Any]) -> None:
         atomic_write_json(self.path, data, indent=2, sort_keys=True)
 
+    def _find(self, entries: dict[str, Any], key: str) -> tuple[str | None, MemoryEntry | None]:
+        """(the key it is stored under, the entry): under ``key``, else under its legacy key."""
+        for k in (key, _legacy(key)):
+            if k is not None and (entry := _entry(entries.get(k), f"{self.path} [{k}]")) is not None:
+                return k, entry
+        return None, None
+
     def get(self, key: str) -> MemoryEntry | None:
-        raw = self._read()["entries"].get(key)
-        return MemoryEntry.from_dict(raw) if raw else None
+        return self._find(self._read()["entries"], key)[1]
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
         with self._locked():
             data = self._read()
-            raw = data["entries"].get(key)
-            entry = MemoryEntry.from_dict(raw) if raw else MemoryEntry(key=key)
+            found, entry = self._find(data["entries"], key)
+            if found is not None and found != key:  # learned under the legacy key: moved to the new one
+                del data["entries"][found]
+            entry = MemoryEntry(key=key) if entry is None else entry
+            entry.key = str(key)
             _apply(entry, fn)
-            data["entries"][key] = entry.to_dict()
+            data["entries"][str(key)] = entry.to_dict()
             self._write(data)
             return entry
 
-    def entries(self) -> list[MemoryEntry]:
-        return [MemoryEntry.from_dict(v) for _, v in sorted(self._read()["entries"].items())]
+    def named_entries(self) -> list[tuple[str, MemoryEntry]]:
+        out = []
+        for k, v in sorted(self._read()["entries"].items()):
+            if (entry := _entry(v, f"{self.path} [{k}]")) is not None:
+                out.append((str(self.path), entry))
+        return out
+
+
+def variable_name(key: str) -> str:
+    """The Prefect Variable of ``key``: ``datagen_fraction_<host>_<model>_tp<N>_<gpu>_<hash>``, lowercase
+    with dashes (what Prefect allows), the hash telling apart two models of one name or other flags."""
+    parts = key.split("|")
+    words = [parts[0], Path(parts[1]).name, parts[2], parts[3]] if len(parts) == 5 else []
+    slug = "_".join(filter(None, (re.sub(r"[^a-z0-9]+", "-", w.lower()).strip("-") for w in words)))
+    digest = hashlib.sha256(str(key).encode()).hexdigest()[:8]
+    name = f"{PrefectStore.prefix}{slug[:200]}_{digest}" if slug else f"{PrefectStore.prefix}{digest}"
+    return name
 
 
 class PrefectStore:
-    """One Prefect Variable per key, named ``datagen_fraction_<hash>`` (names are short; values < 5000 chars)."""
+    """One Prefect Variable per key, named by ``variable_name`` (host, model, tp, GPU); entries learned
+    under the older hashed names (``datagen_fraction_<24 hex>``) are read, and moved to the readable
+    name on their next update."""
 
     kind = "prefect"
     prefix = "datagen_fraction_"
 
-    def _name(self, key: str) -> str:
-        return self.prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
+    def _legacy_name(self, legacy_key: str) -> str:
+        return self.prefix + hashlib.sha256(legacy_key.encode()).hexdigest()[:24]
 
-    def get(self, key: str) -> MemoryEntry | None:
+    def _find(self, key: str) -> tuple[str | None, MemoryEntry | None]:
         from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
-        raw = Variable.get(self._name(key), default=None)
-        return MemoryEntry.from_dict(raw) if isinstance(raw, dict) else None
+        legacy = _legacy(key)
+        names = [variable_name(key)] + ([self._legacy_name(legacy)] if legacy else [])
+        for name in names:
+            if (entry := _entry(Variable.get(name, default=None), f"Prefect Variable {name}")) is not None:
+                return name, entry
+        return None, None
+
+    def get(self, key: str) -> MemoryEntry | None:
+        return self._find(key)[1]
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
         from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
         # Last writer wins: two runs tuning the same key at once is already prevented by the
         # one-server-per-host limit, so no compare-and-swap here.
-        entry = _apply(self.get(key) or MemoryEntry(key=key), fn)
-        Variable.set(self._name(key), entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
+        found, entry = self._find(key)
+        entry = MemoryEntry(key=key) if entry is None else entry
+        entry.key = str(key)
+        _apply(entry, fn)
+        name = variable_name(key)
+        Variable.set(name, entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
+        if found is not None and found != name:  # moved from its legacy name
+            Variable.unset(found)
         return entry
 
-    def entries(self) -> list[MemoryEntry]:
+    def named_entries(self) -> list[tuple[str, MemoryEntry]]:
         from prefect.client.orchestration import get_client  # noqa: PLC0415 (as above)
 
         with get_client(sync_client=True) as client:
             variables = client.read_variables()
-        out = [MemoryEntry.from_dict(v.value) for v in variables
-               if v.name.startswith(self.prefix) and isinstance(v.value, dict)]
-        return sorted(out, key=lambda e: e.key)
+        out = [(v.name, e) for v in variables if v.name.startswith(self.prefix)
+               and (e := _entry(v.value, f"Prefect Variable {v.name}")) is not None]
+        return sorted(out, key=lambda ne: ne[1].key)
 
 
 def state_dir() -> Path:
@@ -258,7 +365,7 @@ class FractionMemory:
             e.fraction = fraction
             e.headroom_gib = headroom_gib
             frac = "default" if fraction is None else format_fraction(fraction)
-            e.history.append(f"{_now()} launched at {frac}, headroom {headroom_gib} GB")
+            e.history.append(f"{_now()} launched at {frac}, headroom {headroom_gib} GiB")
 
         return self.store.update(key, fn)
 
@@ -273,13 +380,15 @@ class FractionMemory:
         return self.store.update(key, fn)
 
     def entries(self) -> list[MemoryEntry]:
-        return self.store.entries()
+        return [e for _, e in self.store.named_entries()]
 
 
 def list_remembered(memory: FractionMemory | None = None) -> list[dict[str, Any]]:
-    """For ``datagen status``: every remembered entry as a dict, plus ``store`` ("prefect"/"file")."""
+    """For ``datagen status``: every remembered entry as a dict, plus ``store`` ("prefect"/"file"),
+    ``where`` (the Prefect Variable's name, or the file) and ``what`` (host, model, tp, GPU)."""
     memory = memory or FractionMemory.default()
-    return [dict(e.to_dict(), store=memory.kind) for e in memory.entries()]
+    return [dict(e.to_dict(), store=memory.kind, where=where, what=describe_key(e.key))
+            for where, e in memory.store.named_entries()]
 
 
 def gpu_model_name(target: Any, gpus: list[int]) -> str:

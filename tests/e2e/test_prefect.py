@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
@@ -25,42 +24,13 @@ from tasks.server import FractionMemory, list_remembered
 from tests.support.common import pid_alive
 from tests.support.outputs import clean_rows, write_output
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import PrefectApi as Api
 from tests.support.prefect import PrefectServer
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
 DATAGEN = str(Path(sys.executable).parent / "datagen")
 PREFECT = str(Path(sys.executable).parent / "prefect")
-
-
-class Api:
-    def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=30)
-
-    def run(self, deployment: str, **params: Any) -> str:
-        dep = self.http.get(f"/deployments/name/{deployment}").raise_for_status().json()
-        deadline = time.monotonic() + 30
-        while True:  # SQLite under a loaded machine answers 503 now and then
-            fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
-            if fr.status_code != 503 or time.monotonic() > deadline:
-                return str(fr.raise_for_status().json()["id"])
-            time.sleep(0.5)
-
-    def state(self, run_id: str) -> dict[str, Any]:
-        return self.http.get(f"/flow_runs/{run_id}").raise_for_status().json()["state"] or {}
-
-    def wait(self, run_id: str, types: set[str], deadline_s: float = 120) -> dict[str, Any]:
-        deadline = time.monotonic() + deadline_s
-        while True:
-            st = self.state(run_id)
-            if st.get("type") in types:
-                return st
-            assert time.monotonic() < deadline, f"run {run_id} still {st.get('type')} {st.get('message')}"
-            time.sleep(0.3)
-
-    def logs(self, run_id: str) -> str:
-        body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
-        return "\n".join(r["message"] for r in reversed(self.http.post("/logs/filter", json=body).json()))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 
 from datagen._api_server import ApiServerError
 from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
+from datagen._notify import NotifyError
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
 from flows.gpulimit import SlotTimeout
@@ -47,14 +48,14 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError,
+    SlotTimeout, ApiServerError, NotifyError,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
 USAGE: set[type[DatagenError]] = {
     ConfigError, TemplateError, TargetError, ServerConfigError, ThresholdError, ShardsError, OutputLocked,
     InputChanged, ManifestError, ExportError, BadOutput, TargetUnreachable, ProbeFailed, DamagedShards,
-    UnrecordedShards, UnsafeFile,
+    UnrecordedShards, UnsafeFile, NotifyError,
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,

@@ -1,0 +1,334 @@
+"""What a user of the Prefect UI gets from `datagen up` on a port other than 4200 (DATAGEN_PREFECT_PORT):
+the UI finds its API, the nightly schedule stays off until asked for, the failure automation is kept
+in place and notifies a webhook block; and, in a real headless Chromium, the run list and a run's
+artifacts. With DATAGEN_UI_SHOTS=<dir> (`make ui-shots`) the browser tests also save the README's
+screenshots there, and a relaunched run is added for them.
+
+One Prefect server, worker and browser for the module, stopped by pid at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.variables import Variable
+
+from datagen._notify import AUTOMATION_NAME
+from datagen.cmd_up import apply_schedules
+from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key, variable_name
+from tests.support.browser import SHOTS_ENV, Page
+from tests.support.common import free_port, pid_alive
+from tests.support.paths import REPO_ROOT
+from tests.support.prefect import PrefectApi
+from tests.support.runs import partition
+
+pytestmark = pytest.mark.slow
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+BLOCK = "custom-webhook/datagen-ui-test"
+SUMMARY_KEY_PREFIX = "run-summary"  # the run-summary artifact of every finished run
+SHOTS = bool(os.environ.get(SHOTS_ENV))
+
+
+class Hook:
+    """A loopback HTTP endpoint that records the JSON bodies POSTed to it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                with hook.cond:
+                    hook.bodies.append(json.loads(body or b"{}"))
+                    hook.cond.notify_all()
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait(self, needle: str, timeout_s: float = 90) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                hit = [b for b in self.bodies if needle in json.dumps(b)]
+                if hit:
+                    return hit[0]
+                left = deadline - time.monotonic()
+                assert left > 0, f"no notification mentioning {needle!r}; got {self.bodies}"
+                self.cond.wait(left)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _up(env: dict[str, str], *args: str) -> str:
+    up = subprocess.run([DATAGEN, "up", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert up.returncode == 0, up.stdout + up.stderr
+    return up.stdout
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`datagen up` with DATAGEN_PREFECT_PORT set to a free port, no PREFECT_API_URL in the shell."""
+    base = tmp_path_factory.mktemp("ui")
+    port = free_port()
+    env = dict(os.environ, PREFECT_HOME=str(base / "prefect"), DATAGEN_PREFECT_PORT=str(port),
+               DATAGEN_HOME=str(REPO_ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for name in ("PREFECT_API_URL", "DATAGEN_SIM_GPUS", "DATAGEN_NOTIFY_BLOCK", "DATAGEN_SCHEDULE"):
+        env.pop(name, None)
+    api_url = f"http://127.0.0.1:{port}/api"
+    api = PrefectApi(api_url)
+    try:
+        out = _up(env)
+        yield {"env": env, "base": base, "port": port, "api_url": api_url, "api": api, "up": out}
+    finally:
+        api.http.close()
+        server = json.loads((base / "run" / "server.pid").read_text())["pid"] if (base / "run" / "server.pid").exists() \
+            else None
+        down = subprocess.run([DATAGEN, "down"], env=env, capture_output=True, text=True, timeout=90)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert server is None or not pid_alive(server)
+
+
+@pytest.fixture(scope="module")
+def hook(stack: dict[str, Any]) -> Iterator[Hook]:
+    """A webhook notification block (``custom-webhook/datagen-ui-test``) posting to a loopback endpoint."""
+    hook = Hook()
+    try:
+        with temporary_settings({PREFECT_API_URL: stack["api_url"]}):
+            CustomWebhookNotificationBlock(
+                name="datagen-ui-test", url=hook.url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
+            ).save(BLOCK.split("/")[1], overwrite=True)
+        yield hook
+    finally:
+        hook.close()
+
+
+def _schedules(api: PrefectApi) -> dict[str, list[bool]]:
+    deps = api.http.post("/deployments/filter", json={}).raise_for_status().json()
+    return {d["name"]: [s["active"] for s in d["schedules"]] for d in deps}
+
+
+def _automations(api: PrefectApi) -> list[dict[str, Any]]:
+    return [a for a in api.http.post("/automations/filter", json={}).raise_for_status().json()
+            if a["name"] == AUTOMATION_NAME]
+
+
+def _partition(tmp: Path, extra: list[str], max_new_tokens: int = 256) -> Path:
+    tmp.mkdir(parents=True)
+    part, _ = partition(tmp, {"glaive_like": 120}, extra, shard=40, conc=8, max_relaunches=2,
+                        server="\n[sim_gpus]\ncount = 2")
+    part.write_text(part.read_text().replace("max_new_tokens = 256", f"max_new_tokens = {max_new_tokens}"))
+    return part
+
+
+@pytest.fixture(scope="module")
+def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
+    """The runs the UI tests look at, one after another on datagen/demo (one run at a time):
+    ``failed`` (validation fails: 8-token answers are truncated) with ``collided`` submitted while it
+    runs (cancelled by the deployment's CANCEL_NEW limit), then ``demo`` (the bundled demo, passes),
+    and with screenshots asked for, ``relaunched`` (the emulator crashes after 60 requests)."""
+    api: PrefectApi = stack["api"]
+    if [a["type"] for a in _automations(api)[0]["actions"]] != ["send-notification"]:
+        _up(stack["env"], "--no-worker", "--notify", BLOCK)
+    base: Path = stack["base"]
+    ids: dict[str, str] = {}
+    ids["failed"] = api.run("datagen/demo", partition=str(_partition(base / "failed", [], max_new_tokens=8)))
+    api.wait(ids["failed"], {"RUNNING"}, 120)
+    ids["collided"] = api.run("datagen/demo", out=str(base / "collided"))
+    assert api.wait(ids["collided"], {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}, 60)["type"] == "CANCELLED"
+    st = api.wait(ids["failed"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
+    assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
+    ids["demo"] = api.run("datagen/demo", out=str(base / "demo"))
+    st = api.wait(ids["demo"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
+    assert st["type"] == "COMPLETED", st["message"] + api.logs(ids["demo"])[-3000:]
+    if SHOTS:
+        ids["relaunched"] = api.run("datagen/demo", partition=str(_partition(base / "relaunch",
+                                                                              ["--emu-crash-after", "60"])))
+        st = api.wait(ids["relaunched"], {"COMPLETED", "FAILED", "CRASHED"}, 240)
+        assert st["type"] == "COMPLETED", st["message"] + api.logs(ids["relaunched"])[-3000:]
+    return ids
+
+
+# ------------------------------------------------------------------------------ API level
+
+
+def test_ui_settings_name_the_api_on_the_chosen_port(stack: dict[str, Any]) -> None:
+    settings = httpx.get(f"http://127.0.0.1:{stack['port']}/ui-settings", timeout=30).raise_for_status().json()
+    assert settings["api_url"] == stack["api_url"]
+    assert f"Prefect UI: http://127.0.0.1:{stack['port']}\n" in stack["up"]
+
+
+def test_plain_up_leaves_the_nightly_off_and_a_do_nothing_automation(stack: dict[str, Any]) -> None:
+    sched = _schedules(stack["api"])
+    assert sched["all"] == [False] and sched["demo"] == []
+    assert "schedules: none active" in stack["up"]
+    (auto,) = _automations(stack["api"])
+    assert [a["type"] for a in auto["actions"]] == ["do-nothing"]
+    assert sorted(auto["trigger"]["expect"]) == ["prefect.flow-run.Cancelled", "prefect.flow-run.Crashed",
+                                                 "prefect.flow-run.Failed"]
+
+
+def test_up_again_turns_on_only_what_was_asked_and_updates_in_place(stack: dict[str, Any], hook: Hook) -> None:
+    api: PrefectApi = stack["api"]
+    (first,) = _automations(api)
+    out = _up(stack["env"], "--no-worker", "--schedule", "--notify", BLOCK)
+    assert "schedules active: datagen/all 0 2 * * * UTC" in out
+    assert _schedules(api)["all"] == [True] and _schedules(api)["demo"] == []
+    (auto,) = _automations(api)
+    assert auto["id"] == first["id"] and [a["type"] for a in auto["actions"]] == ["send-notification"]
+    _up(stack["env"], "--no-worker")  # neither flag: as the server had them
+    assert _schedules(api)["all"] == [True]
+    (auto,) = _automations(api)
+    assert auto["id"] == first["id"] and [a["type"] for a in auto["actions"]] == ["send-notification"]
+    assert apply_schedules(stack["api_url"], {}, want=False) == []  # what --no-schedule does after the deploy
+    assert _schedules(api)["all"] == [False]
+
+
+def test_up_names_a_missing_notification_block(stack: dict[str, Any]) -> None:
+    up = subprocess.run([DATAGEN, "up", "--no-worker", "--notify", "slack-webhook/nope"], env=stack["env"],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "notification block 'slack-webhook/nope' not found" in up.stderr
+
+
+def test_failed_and_cancelled_runs_notify_the_block(stack: dict[str, Any], hook: Hook, runs: dict[str, str]) -> None:
+    api: PrefectApi = stack["api"]
+    failed = api.http.get(f"/flow_runs/{runs['failed']}").json()
+    body = hook.wait(failed["name"])
+    assert body["subject"] == f"datagen demo: {failed['name']} Failed"
+    assert "ValidationFailed" in body["body"]
+    assert f"http://127.0.0.1:{stack['port']}/runs/flow-run/{runs['failed']}" in body["body"]
+    collided = api.http.get(f"/flow_runs/{runs['collided']}").json()
+    body = hook.wait(collided["name"])
+    assert body["subject"] == f"datagen demo: {collided['name']} Cancelled"
+    assert "Deployment concurrency limit reached" in body["body"]
+    demo = api.http.get(f"/flow_runs/{runs['demo']}").json()
+    assert not [b for b in hook.bodies if demo["name"] in json.dumps(b)]  # a completed run is quiet
+
+
+@pytest.fixture(scope="module")
+def learned(stack: dict[str, Any]) -> Iterator[dict[str, str]]:
+    """A fraction learned under the old hashed Variable name (reasoning parser in the key), then
+    used and updated by this version: ``{"legacy": old name, "name": new name}``."""
+    cfg = ServerConfig(model_path="/models/Qwen3-8B", tp_size=8, reasoning_parser="qwen3")
+    key = memory_key(cfg, "gpu-ui", "NVIDIA H200")
+    assert key.legacy is not None
+    legacy = "datagen_fraction_" + hashlib.sha256(key.legacy.encode()).hexdigest()[:24]
+    old = {"key": key.legacy, "fraction": 0.83, "headroom_gib": 5.47, "runtime_oom_at": 0.88, "updated_at": "t",
+           "history": ["2026-01-01T00:00:00Z launched at 0.88, headroom 5.47 GB"]}
+    with temporary_settings({PREFECT_API_URL: stack["api_url"]}):
+        Variable.set(legacy, old)
+        mem = FractionMemory(PrefectStore())
+        entry = mem.get(key)
+        assert entry is not None and (entry.fraction, entry.runtime_oom_at) == (0.83, 0.88)
+        mem.remember_success(key, 0.83, 5.5)
+    yield {"legacy": legacy, "name": variable_name(key)}
+
+
+def test_learned_fractions_move_to_readable_variables(stack: dict[str, Any], learned: dict[str, str]) -> None:
+    names = {v["name"]: v["value"] for v in stack["api"].http.post("/variables/filter", json={}).json()}
+    assert learned["legacy"] not in names
+    assert learned["name"] == "datagen_fraction_gpu-ui_qwen3-8b_tp8_nvidia-h200_" + learned["name"][-8:]
+    value = names[learned["name"]]
+    assert (value["fraction"], value["runtime_oom_at"], value["headroom_gib"]) == (0.83, 0.88, 5.5)
+    assert value["history"][0].endswith("headroom 5.47 GiB")
+    status = subprocess.run([DATAGEN, "status"], env=dict(stack["env"], PREFECT_API_URL=stack["api_url"]),
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert ("learned memory fraction: 0.83 for gpu-ui, /models/Qwen3-8B, tp 8, NVIDIA H200 (headroom 5.5 GiB; "
+            "runtime OOM at 0.88; updated ") in status.stdout
+    assert f"[prefect: {learned['name']}]" in status.stdout
+
+
+# ------------------------------------------------------------------------------ in a browser
+
+
+def test_browser_variables_page_shows_readable_fraction_names(stack: dict[str, Any], learned: dict[str, str],
+                                                             browser: Page) -> None:
+    browser.open(f"http://127.0.0.1:{stack['port']}/variables")
+    browser.wait_text(learned["name"])
+    browser.shot("variables")
+
+
+def _artifacts(api: PrefectApi, run_id: str) -> list[dict[str, Any]]:
+    body = {"artifacts": {"flow_run_id": {"any_": [run_id]}}}
+    return list(api.http.post("/artifacts/filter", json=body).raise_for_status().json())
+
+
+def _open_artifacts_tab(browser: Page, stack: dict[str, Any], run_id: str, keys: list[str]) -> str:
+    """The text of a run's Artifacts tab once every key in ``keys`` shows (task-run artifacts load
+    when scrolled into view)."""
+    browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{run_id}")
+    browser.click_text("Artifacts")
+    return browser.wait_for(lambda t: all(k in t for k in keys), f"artifact keys {keys}", scroll=True)
+
+
+def test_browser_run_list_shows_the_demo_run(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:
+    name = stack["api"].http.get(f"/flow_runs/{runs['demo']}").json()["name"]
+    browser.open(f"http://127.0.0.1:{stack['port']}/runs")
+    text = browser.wait_text(name)
+    assert "Can't connect to Server API" not in text
+    browser.show(name)
+    browser.shot("runs-list")
+
+
+def test_browser_artifacts_tab_shows_validation(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:
+    keys = [a["key"] for a in _artifacts(stack["api"], runs["demo"]) if a["key"] and "validation" in a["key"]]
+    assert keys, "the demo run published no validation artifact"
+    text = _open_artifacts_tab(browser, stack, runs["demo"], keys)
+    assert "PASS" in text.upper()
+    browser.shot("run-artifacts")
+
+
+@pytest.mark.xfail(strict=True, reason="the run-summary artifact (key prefix run-summary) comes from another "
+                                       "branch; remove this mark once it is merged")
+def test_browser_artifacts_tab_shows_the_run_summary(stack: dict[str, Any], runs: dict[str, str],
+                                                      browser: Page) -> None:
+    (summary,) = [a for a in _artifacts(stack["api"], runs["demo"])
+                  if (a["key"] or "").startswith(SUMMARY_KEY_PREFIX)]
+    _open_artifacts_tab(browser, stack, runs["demo"], [summary["key"]])
+    browser.open(f"http://127.0.0.1:{stack['port']}/artifacts/artifact/{summary['id']}")
+    browser.wait_text("rows")
+    browser.shot("run-summary")
+
+
+def test_browser_failed_validation_run(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:
+    browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{runs['failed']}")
+    browser.wait_text("ValidationFailed")
+    browser.shot("run-failed-validation")
+
+
+@pytest.mark.skipif(not SHOTS, reason=f"the relaunched run is made only for screenshots (${SHOTS_ENV})")
+def test_browser_relaunched_run(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:
+    browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{runs['relaunched']}")
+    browser.wait_text("Completed")
+    browser.click_text("Task Runs")
+    browser.wait_text("recover-")  # the task that classified the crash and relaunched the server
+    browser.shot("run-relaunched")
