@@ -48,7 +48,8 @@ def _burst(url: str, n: int = 64, words: int = 150) -> list[object]:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> object:
                 try:
-                    async with s.post(url + "/generate", json={"text": "word " * words + str(i)}) as r:
+                    # distinct from the first token: the prefix cache must not shrink the prefill
+                    async with s.post(url + "/generate", json={"text": f"{i} " + "word " * words}) as r:
                         await r.read()
                         return r.status
                 except aiohttp.ClientError as exc:
