@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-health-timeout", type=float, default=20.0)
     e.add_argument("--emu-host-mem-gib", type=float, default=None)
     e.add_argument("--emu-drain-timeout", type=float, default=30.0)
+    e.add_argument("--emu-request-log", default=os.environ.get("DATAGEN_EMU_REQUEST_LOG") or None,
+                   help="append 'recv RID' when a /generate request arrives and 'done RID' when it is "
+                        "answered (default: $DATAGEN_EMU_REQUEST_LOG)")
     return p
 
 
@@ -265,6 +268,8 @@ class Main:
             engine=engine, context_length=a.context_length,
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
             rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None,
+            # Line-buffered, kept open for the server's life (closed by the process exit).
+            request_log=open(a.emu_request_log, "a", buffering=1) if a.emu_request_log else None,  # noqa: SIM115
         )
         self.state = st
         for c in self.children:

@@ -48,6 +48,12 @@ class ServerState:
     generate_count: int = 0
     rng_503: random.Random | None = None
     template: Any = None
+    request_log: Any = None  # an open text file (--emu-request-log): tests count requests per rid
+
+    def log_request(self, event: str, reqs: list[Any]) -> None:
+        if self.request_log is not None:
+            self.request_log.write("".join(f"{event} {r.rid}\n" for r in reqs))
+            self.request_log.flush()  # a killed server's log must hold every request it saw
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -285,10 +291,12 @@ def build_app(st: ServerState) -> web.Application:
             engine.submit(reqs)
         except QueueFull:
             return _queue_full()
+        st.log_request("recv", reqs)
         many = batch or len(reqs) > 1
         if body.get("stream"):
             return await _stream(request, reqs, many)
         await _finished(reqs)
+        st.log_request("done", reqs)
         if many:
             return _json([_result(st, r) for r in reqs])
         return _json(_result(st, reqs[0]))

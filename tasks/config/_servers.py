@@ -7,7 +7,8 @@ An entry is a target string (one server on the GPUs of ``server.gpus``) or a tab
 
 ``gpus`` is one GPU list (one server) or a list of GPU lists (one server per group); ``port`` is the
 first server's port on that target (the next servers count up from it); ``flags`` are ``[server]``
-launch keys for this target's servers only.
+launch keys for this target's servers only (e.g. ``python``, ``host``, ``env``,
+``max_running_requests``, ``mem_fraction_static``), never one the rows' ``server`` fingerprint holds.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from typing import Any
 from tasks.config._checks import ConfigError, check_target, no_unknown
 from tasks.targets import parse_target
 
-__all__ = ["FLAG_EXCLUDED", "ServerSlot", "TargetServers", "parse_targets", "slots_of"]
+__all__ = ["FINGERPRINT_KEYS", "FLAG_EXCLUDED", "ServerSlot", "TargetServers", "parse_targets", "slots_of"]
 
 # Launch keys a target's flags may not set: the partition's (model, backend) or the entry's own.
 FLAG_EXCLUDED = frozenset({"backend", "gpus", "targets", "port", "api_key_secret", "hub_token_secret",
                            "launch_deadline_s", "allow_unauthenticated_bind"})
+# ...nor what the rows' `server` fingerprint holds: every server of a run must generate alike, since
+# a shard mixes rows of every server (and validation refuses mixed fingerprints).
+FINGERPRINT_KEYS = frozenset({"tp_size", "served_model_name", "context_length", "extra_args"})
 _ENTRY_KEYS = {"target", "gpus", "port", "flags"}
 REMOTE_PORT = 30000  # a remote server's port when the partition names none (its host's loopback)
 
@@ -101,6 +105,10 @@ def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
         bad = sorted(set(flags) & FLAG_EXCLUDED)
         if bad:
             raise ConfigError(f"{f}: {key}.flags.{bad[0]}: not a per-target flag (set it in [server] or on the entry)")
+        alike = sorted(set(flags) & FINGERPRINT_KEYS)
+        if alike:
+            raise ConfigError(f"{f}: {key}.flags.{alike[0]}: not a per-target flag: it changes the rows' `server` "
+                              "fingerprint, and every server of a run must generate alike; set it in [server]")
         port = item.get("port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535):
             raise ConfigError(f"{f}: {key}.port: {port!r} is not a TCP port")

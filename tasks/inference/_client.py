@@ -133,7 +133,6 @@ class GenerateResult:
     meta_info: dict[str, Any]
     latency_s: float
     attempts: int
-    server: str | None = None  # the server's fingerprint when it differs from the run's (several servers)
 
 
 @dataclass

@@ -50,7 +50,7 @@ class Lane:
         self.endpoint = endpoint
         self.concurrency = concurrency
         self.recoverable = recoverable
-        self.state = "serving"  # or "dropped"
+        self.state = "serving"  # then "dropped", or "finished" when the run ended
         self.reason = ""
         self.dropped = threading.Event()
         self.rows = 0
@@ -104,13 +104,22 @@ class ServerPool:
             concurrency: its requests in flight (None: the run's, else from its /server_info).
             recoverable: whether a session may bring it back once dropped (False: a dropped lane
                 is lost at once, e.g. a server someone else runs).
+
+        Raises:
+            ValueError: its fingerprint differs from the servers' added before (the rows' ``server``).
         """
         lane = Lane(name, endpoint, concurrency, recoverable)
         with self._lock:
+            if self.lanes and endpoint.fingerprint != self.lanes[0].endpoint.fingerprint:
+                # A shard holds rows of every server: they must all generate alike.
+                raise ValueError(f"server {name} is {endpoint.fingerprint!r}, the run's other servers "
+                                 f"{self.lanes[0].endpoint.fingerprint!r}: its rows would differ")
             if name not in self._names:
                 self._names.append(name)
             self._pending.pop(name, None)
             self.lanes.append(lane)
+            if self.closed:  # ready after the run ended: its session stops it at once
+                self._drop_locked(lane, "ready after the run ended")
         self._notify()
         return lane
 
@@ -147,7 +156,9 @@ class ServerPool:
             self.closed = True
             self._pending.clear()
             for lane in self.lanes:
-                lane.dropped.set()  # wakes the sessions; the lane keeps its state for the report
+                if lane.state == "serving":
+                    lane.state, lane.ended = "finished", time.monotonic()
+                lane.dropped.set()  # wakes the sessions
         self._notify()
 
     # -- queries -----------------------------------------------------------------------------------
@@ -214,7 +225,7 @@ class ServerPool:
 
     @property
     def fingerprint(self) -> str:
-        """The first serving server's: the rows' ``server`` column unless a row's server differs."""
+        """The servers' fingerprint (all alike): the rows' ``server`` column."""
         return self._first().endpoint.fingerprint
 
     alive = None
@@ -249,8 +260,8 @@ class ServerPool:
             tokens = sum(lane.completion_tokens for lane in mine)
             if name in lost:
                 state = "lost" if mine else "never ready"
-            elif any(lane.state == "serving" for lane in mine):
-                state = "serving"
+            elif any(lane.state in ("serving", "finished") for lane in mine):
+                state = mine[-1].state
             else:
                 state = pending.get(name) or ("stopped" if mine else "not started")
             out.append({
@@ -267,13 +278,12 @@ class ServerPool:
 class _Slot:
     """A lane as one event loop sees it: its open client."""
 
-    __slots__ = ("lane", "client", "live", "fingerprint")
+    __slots__ = ("lane", "client", "live")
 
-    def __init__(self, lane: Lane, client: GenerateClient, fingerprint: str | None) -> None:
+    def __init__(self, lane: Lane, client: GenerateClient) -> None:
         self.lane = lane
         self.client = client
         self.live = True
-        self.fingerprint = fingerprint  # None: the rows' default fingerprint
 
 
 class Dispatcher:
@@ -283,14 +293,12 @@ class Dispatcher:
     Args:
         pool: the servers.
         config: client settings of every lane (its concurrency and API key are set per lane).
-        fingerprint: the rows' default ``server`` column; a lane with another gets its own on its rows.
         concurrency: requests in flight per server (None: from each server's /server_info).
     """
 
-    def __init__(self, pool: ServerPool, config: ClientConfig, fingerprint: str, concurrency: int | None) -> None:
+    def __init__(self, pool: ServerPool, config: ClientConfig, concurrency: int | None) -> None:
         self.pool = pool
         self.config = config
-        self.fingerprint = fingerprint
         self.concurrency = concurrency
         self._slots: dict[int, _Slot] = {}  # id(lane) -> slot
         self._free: asyncio.Queue[_Slot | None] = asyncio.Queue()
@@ -335,10 +343,8 @@ class Dispatcher:
         is left and none is coming."""
         for lane in self.pool.serving():
             if id(lane) not in self._slots:
-                fp = lane.endpoint.fingerprint
                 cfg = dataclasses.replace(self.config, api_key=lane.endpoint.api_key or self.config.api_key)
-                slot = _Slot(lane, GenerateClient(lane.endpoint.url, cfg, server_alive=lane.endpoint.alive),
-                             None if fp == self.fingerprint else fp)
+                slot = _Slot(lane, GenerateClient(lane.endpoint.url, cfg, server_alive=lane.endpoint.alive))
                 self._slots[id(lane)] = slot
                 task = asyncio.ensure_future(self._open(slot))
                 self._opening.add(task)
@@ -397,8 +403,6 @@ class Dispatcher:
             lane.prompt_tokens += res.prompt_tokens
             lane.completion_tokens += res.completion_tokens
             lane.requests = slot.client.stats.requests
-            if slot.fingerprint is not None:
-                return dataclasses.replace(res, server=slot.fingerprint)
             return res
 
     def _lost(self, slot: _Slot, exc: ServerGone) -> None:

@@ -148,7 +148,7 @@ def _client_for(endpoint: Endpoint | ServerPool, cfg: ClientConfig,
     """The client of a run: one server's, or a dispatcher over a pool's servers."""
     if isinstance(endpoint, ServerPool):
         return cast(contextlib.AbstractAsyncContextManager[GenerateClient],
-                    Dispatcher(endpoint, cfg, endpoint.fingerprint, concurrency))
+                    Dispatcher(endpoint, cfg, concurrency))
     return GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive)
 
 

@@ -81,7 +81,7 @@ class RowBuilder:
             "completion_tokens": res.completion_tokens,
             "model": self.model_name,
             "sampling": self.sampling_json,
-            "server": res.server or self.server_fingerprint,
+            "server": self.server_fingerprint,
             "reasoning_parser": self.parser,
             "think_in_prompt": think_in_prompt,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="microseconds"),

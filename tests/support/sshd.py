@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from emulator.simgpu import ENV_VAR, SimGpus
 from tests.support.common import free_port
 from tests.support.paths import REPO_ROOT
 
@@ -160,7 +161,68 @@ def ssh_env(sshd_server: SshServer, monkeypatch: pytest.MonkeyPatch) -> SshServe
     return sshd_server
 
 
-__all__ = ["SshServer", "start_sshd", "stop_sshd", "sshd_server", "ssh_env"]
+@dataclass
+class SshHost:
+    """One simulated GPU host: a real sshd on its own loopback address with its own simulated GPUs
+    (``DATAGEN_SIM_GPUS`` set for its sessions by sshd)."""
+
+    server: SshServer
+    proc: subprocess.Popen[bytes]
+    sim_gpus: Path
+
+    @property
+    def address(self) -> str:
+        return self.server.host
+
+    def url(self) -> str:
+        return self.server.url()
+
+
+def start_hosts(workdir: Path, addresses: list[str], gpus: int = 2) -> list[SshHost]:
+    """An sshd per address (e.g. 127.0.0.2, .3, .4), each with ``gpus`` simulated GPUs; one client
+    key and one known_hosts file reach them all (``hosts_env``). Stop them with ``stop_hosts``.
+
+    Raises:
+        RuntimeError: an sshd did not start (those started are stopped).
+    """
+    hosts: list[SshHost] = []
+    try:
+        for addr in addresses:
+            sim = workdir / f"sim-gpus-{addr}.json"
+            SimGpus.init(sim, count=gpus)
+            server, proc = start_sshd(workdir / f"sshd-{addr}", address=addr, set_env={ENV_VAR: str(sim)})
+            hosts.append(SshHost(server, proc, sim))
+    except BaseException:
+        stop_hosts(hosts)
+        raise
+    key = Path(hosts[0].server.key_path)
+    known = workdir / "known_hosts"
+    known.write_text("".join(Path(h.server.known_hosts).read_text() for h in hosts))
+    for h in hosts:
+        # sshd reads authorized_keys per connection: the first host's client key opens every host.
+        (Path(h.server.key_path).parent / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+        h.server.key_path, h.server.known_hosts = str(key), str(known)
+    return hosts
+
+
+def stop_hosts(hosts: list[SshHost]) -> None:
+    for h in hosts:
+        stop_sshd(h.proc)
+
+
+def hosts_env(hosts: list[SshHost]) -> dict[str, str]:
+    """The environment of a datagen process that reaches ``hosts``: the shared key, known_hosts, a
+    short connect timeout and remote commands pointed at this Python and the nvidia-smi stand-in
+    (the simulated GPUs come from each host's sshd)."""
+    remote = {"PATH": f"{REPO_ROOT / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+              "DATAGEN_PYTHON": sys.executable}
+    return {"DATAGEN_SSH_KEY": hosts[0].server.key_path, "DATAGEN_SSH_KNOWN_HOSTS": hosts[0].server.known_hosts,
+            "DATAGEN_SSH_CONNECT_TIMEOUT": "3",
+            "DATAGEN_REMOTE_ENV": " ".join(shlex.quote(f"{k}={v}") for k, v in remote.items())}
+
+
+__all__ = ["SshHost", "SshServer", "hosts_env", "start_hosts", "start_sshd", "stop_hosts", "stop_sshd",
+           "sshd_server", "ssh_env"]
 
 
 def stand_in_remote_env() -> str:
