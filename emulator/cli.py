@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import time
@@ -334,11 +335,26 @@ def _finish_args(args: argparse.Namespace, model: ModelInfo) -> None:
         args.max_running_requests = 2048 if args.emu_decode_ms_per_step <= 0 else 256
 
 
+EMU_ARGS_ENV = "DATAGEN_EMU_ARGS"
+
+
+def _env_emu_args() -> list[str]:
+    """``--emu-*`` flags from ``$DATAGEN_EMU_ARGS`` (shell words), after the command line's: a fault
+    for one server of a run (its environment is a per-target flag) without changing its command
+    line, which the rows' fingerprint holds. Other flags there are a usage error."""
+    words = shlex.split(os.environ.get(EMU_ARGS_ENV, ""))
+    bad = [w for w in words if w.startswith("-") and not w.startswith("--emu-")]
+    if bad:
+        print(f"emulator: ${EMU_ARGS_ENV} takes --emu-* flags only, got {bad[0]}", file=sys.stderr)
+        raise SystemExit(2)
+    return words
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the emulator. Returns only on a usage error (2) or a missing model dir (1)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args([*(sys.argv[1:] if argv is None else argv), *_env_emu_args()])
     except SystemExit as exc:
         return int(exc.code or 0)
     if not 0 < (args.mem_fraction_static or 0.5) < 1:

@@ -1,7 +1,8 @@
-"""One run across three hosts: each a real sshd on its own loopback address (127.0.0.2, .3, .4) with
-its own simulated GPUs and emulator, reached over ssh:// with a port forward. Every target serves
-rows; a target whose server is killed mid-shard and whose sshd then goes away costs only the
-requests it had in flight, and the run completes exactly once on the others."""
+"""One run across several servers: three hosts, each a real sshd on its own loopback address
+(127.0.0.2, .3, .4) with its own simulated GPUs and emulator, reached over ssh:// with a port
+forward. Every target serves rows; a target whose server is killed mid-shard and whose sshd then
+goes away costs only the requests it had in flight, and the run completes exactly once on the
+others; servers that hang are killed and relaunched on their own GPUs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from emulator.simgpu import SimGpus
 from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
@@ -148,3 +150,49 @@ def test_a_host_lost_mid_shard_costs_only_its_requests_in_flight(
     assert not pid_alive(server["pid"])
     (record,) = records(tmp_path).values()
     assert not any(pid_alive(s["pid"]) for s in record["servers"])
+
+
+def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
+        prefect_server: PrefectServer, tmp_path: Path) -> None:
+    # Two local servers (GPU 0 and GPU 1) that each hang after 40 requests: /health_generate fails
+    # while the process lives. The watchdog kills each, the requests it held go to the other or to
+    # its relaunch (budget 1 per server), and the 120 rows complete exactly once.
+    ids = [f"row-{i:04d}" for i in range(120)]
+    (tmp_path / "ds.jsonl").write_text("".join(
+        json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in ids))
+    part = tmp_path / "hang.toml"
+    part.write_text(f"""name = "hang"
+[datasets]
+ds = "{tmp_path / 'ds.jsonl'}"
+[model]
+path = "{REPO_ROOT}/data/models/demo"
+reasoning_parser = "qwen3"
+[server]
+backend = "emulator"
+extra_args = {json.dumps([*FAST_EMU, "--emu-decode-ms-per-step", "4"])}
+targets = [{{ target = "local", gpus = [[0], [1]], flags = {{ env = {{ DATAGEN_EMU_ARGS = "--emu-hang-after 40" }} }} }}]
+[run]
+shard_size = 25
+concurrency = 6
+max_relaunches = 1
+hygiene_grace_s = 1
+hang_timeout_s = 2
+[sampling]
+max_new_tokens = 256
+[output]
+root = "{tmp_path / 'out'}"
+""")
+    SimGpus.init(tmp_path / "sim.json", count=2)
+    env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"),
+                             DATAGEN_SIM_GPUS=str(tmp_path / "sim.json"))
+    proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert_exactly_once(tmp_path / "out", {"ds": ids})
+    for gpu in (0, 1):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"  server local[gpu {gpu}]: "))
+        assert "2 launch(es), finished (hung (/health_generate failed for 2 s while it ran; killed)" in line, line
+    (record,) = records(tmp_path).values()
+    assert len(record["servers"]) == 4 and not any(pid_alive(s["pid"]) for s in record["servers"])
+    assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim.json").snapshot()["gpus"])
