@@ -33,7 +33,7 @@ from prefect.runtime import task_run
 from flows.context import RunContext
 from flows.progress import artifact_key
 from flows.session import ServerSession
-from flows.stages import diagnose_server, health_check
+from flows.stages import diagnose_server, health_check, hygiene
 from tasks.inference import ServerPool
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
@@ -167,16 +167,29 @@ def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
     logger = get_run_logger()
     pool = fleet.pool
     session = ServerSession(ctx)
+    unreachable_launch = False  # a launch failed with its host unreachable: a server may run there
+    why = ""  # why the last server was dropped ("" until one served)
     try:
-        try:
-            session.start()
-            health_check(ctx, session.endpoint)
-        except Exception as exc:
-            fleet.errors[name] = exc
-            pool.give_up(name, f"never ready: {type(exc).__name__}: {_short(exc)}")
-            logger.error("server %s never became ready (skipped): %s", name, _short(exc))
-            return {"server": name, "state": "never ready"}
         while True:
+            try:
+                _bring_up(ctx, session)
+            except Exception as exc:
+                lost_host = ctx.launches and not reachable(ctx.target)
+                unreachable_launch = unreachable_launch or lost_host
+                if lost_host and session.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, fleet):
+                    if session.handle is None:
+                        session.relaunches += 1  # a relaunch() counts its own
+                    pool.expect(name, "relaunching")
+                    continue
+                reason = f"{type(exc).__name__}: {_short(exc)}"
+                if not why:
+                    fleet.errors[name] = exc
+                    pool.give_up(name, f"never ready: {reason}")
+                    logger.error("server %s never became ready (skipped): %s", name, reason)
+                    return {"server": name, "state": "never ready"}
+                pool.give_up(name, f"{why}; relaunch failed: {reason}")
+                logger.error("server %s lost: relaunch failed: %s", name, reason)
+                return {"server": name, "state": "lost"}
             try:
                 lane = pool.add(name, session.endpoint, recoverable=ctx.launches)
             except ValueError as exc:  # it would generate other rows than the run's other servers
@@ -202,32 +215,59 @@ def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
                              else f"{why}; then its host was unreachable for {ctx.cfg.host_wait_s:g} s")
                 return {"server": name, "state": "lost"}
             pool.expect(name, "relaunching")
-            try:
-                session.relaunch(diagnose=False)
-                health_check(ctx, session.endpoint)
-            except Exception as exc:
-                pool.give_up(name, f"{why}; relaunch failed: {type(exc).__name__}: {_short(exc)}")
-                logger.error("server %s lost: relaunch failed: %s", name, _short(exc))
-                return {"server": name, "state": "lost"}
     finally:
+        _end(ctx, name, session, fleet, unreachable_launch)
+
+
+def _bring_up(ctx: RunContext, session: ServerSession) -> None:
+    """Launch the session's server (clean GPUs first), or relaunch it when one is known, and check
+    that it generates."""
+    if session.handle is None:
+        session.start()
+    else:
+        session.relaunch(diagnose=False)
+    health_check(ctx, session.endpoint)
+
+
+def _end(ctx: RunContext, name: str, session: ServerSession, fleet: Fleet, unreachable_launch: bool) -> None:
+    """Stop the session's server; when its host does not answer, wait for it (at most
+    ``run.host_wait_s``) so that nothing is left running: stop it then, or clean its GPUs when a
+    launch failed there. What still cannot be stopped is reported (``fleet.left``)."""
+    logger = get_run_logger()
+    deadline = time.monotonic() + ctx.cfg.host_wait_s
+    delay = 1.0
+    while True:
         try:
-            session.stop()
+            if session.handle is not None:
+                session.stop()
+            elif unreachable_launch:
+                hygiene(ctx, "after-unreachable")
+            return
         except Exception as exc:
+            left = deadline - time.monotonic()
+            if ctx.launches and left > 0 and not reachable(ctx.target):
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 15.0)
+                continue
             handle = session.handle
             fleet.left[name] = f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
             logger.error("server %s could not be stopped (%s): clean its GPUs once %s answers "
                          "(datagen clean-gpus --host %s)", name, _short(exc), ctx.host, ctx.target)
+            return
 
 
 def _why_dropped(ctx: RunContext, session: ServerSession, dog: Any) -> str:
-    """Why a launched server was dropped: hung (the watchdog killed it), host unreachable, or died
-    (the log's classification; a runtime OOM is recorded so the relaunch starts lower)."""
+    """Why a launched server was dropped: hung (the watchdog killed it), host unreachable, its port
+    forward ended, or died (the log's classification; a runtime OOM is recorded so the relaunch
+    starts lower)."""
     if getattr(dog, "fired", False):
         return f"hung (/health_generate failed for {ctx.cfg.hang_timeout_s:g} s while it ran; killed)"
     if session.handle is None:
         return "gone"
     if not reachable(ctx.target):
         return "host unreachable"
+    if not session.handle.route_open():
+        return "connection to its host lost (the SSH port forward ended)"
     return f"died ({diagnose_server(ctx, session.handle)})"
 
 

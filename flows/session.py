@@ -67,7 +67,8 @@ class ServerSession:
             if cfg.server_url is None:
                 raise RuntimeError("the server session has no server (not entered, or stopped)")
             return Endpoint(cfg.server_url, self.fingerprint, cfg.api_key())
-        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.is_alive)
+        # A closed port forward reads as gone at once: the server cannot be reached through it.
+        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.reachable_and_alive)
 
     def run(self, work: Callable[[Endpoint], T]) -> T:
         """``work(endpoint)`` until it returns, relaunching the server when it is gone.
