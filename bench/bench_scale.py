@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bench_client import _prompts, _start_emulator, _stop, _write_input  # noqa: E402
 from tasks.inference import (  # noqa: E402 - bench scripts run as files: the repo goes on sys.path first
     ClientConfig,
     DatasetSpec,
@@ -39,7 +38,6 @@ from tasks.inference import (  # noqa: E402 - bench scripts run as files: the re
     ServerPool,
     run_dataset,
 )
-from tasks.prompts import ChatTemplate  # noqa: E402
 
 DEMO = REPO / "data" / "models" / "demo"
 CONC = 64  # requests in flight per server
@@ -52,62 +50,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health_generate", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-2000:])
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} not ready")
-
-
 def _start(kind: str, tmp: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    if kind == "emulator":
+        return _start_emulator(extra, tmp / f"emulator-{len(list(tmp.glob('emulator-*')))}.log")
     port = _free_port()
-    if kind == "minimal":
-        args = [sys.executable, "-m", "emulator.minimal", "--port", str(port), *extra]
-    else:
-        args = [sys.executable, "-m", "emulator", "--model-path", str(DEMO), "--port", str(port),
-                "--emu-load-time", "0", "--emu-graph-time", "0", "--emu-warmup-time", "0", *extra]
-    log = tmp / f"{kind}-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("DATAGEN_SIM_GPUS", None)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(REPO))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url, proc, log)
-    except BaseException:
+    proc = subprocess.Popen([sys.executable, "-m", "emulator.minimal", "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=str(REPO))
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()  # it prints this once it listens
+    proc.stdout.close()
+    if not line.startswith("minimal server on "):
         _stop(proc)
-        raise
-    return proc, url
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
-def _write_input(path: Path, n: int) -> None:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"b{i:07d}", "messages": [
-                {"role": "user", "content": f"Question {i}: explain the batch scheduler in a few words."}]}) + "\n")
-
-
-def _prompts(n: int) -> list[str]:
-    t = ChatTemplate.from_model_dir(DEMO)
-    return [t.render([{"role": "user", "content": f"Question {i}: explain the batch scheduler in a few words."}])
-            for i in range(n)]
+        raise RuntimeError(f"minimal server did not start: {line!r}")
+    return proc, line.split()[-1]
 
 
 async def _bare(urls: list[str], prompts: list[str]) -> float:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -176,6 +177,9 @@ class FileStore:
         return [MemoryEntry.from_dict(v) for _, v in sorted(self._read()["entries"].items())]
 
 
+_PREFECT_UPDATES = threading.Lock()
+
+
 class PrefectStore:
     """One Prefect Variable per key, named ``datagen_fraction_<hash>`` (names are short; values < 5000 chars)."""
 
@@ -192,13 +196,23 @@ class PrefectStore:
         return MemoryEntry.from_dict(raw) if isinstance(raw, dict) else None
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
+        from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415 (as above)
         from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
-        # Last writer wins: two runs tuning the same key at once is already prevented by the
-        # one-server-per-host limit, so no compare-and-swap here.
-        entry = _apply(self.get(key) or MemoryEntry(key=key), fn)
-        Variable.set(self._name(key), entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
-        return entry
+        # Last writer wins across runs (one run per host: the gpu:<host> limit). The servers of one
+        # run on one host share a key and launch at once: their updates take turns here, and a
+        # variable another process created between our read and our write is read again.
+        with _PREFECT_UPDATES:
+            tries = 3
+            while True:
+                entry = _apply(self.get(key) or MemoryEntry(key=key), fn)
+                try:
+                    Variable.set(self._name(key), entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
+                    return entry
+                except ObjectAlreadyExists:
+                    tries -= 1
+                    if not tries:
+                        raise
 
     def entries(self) -> list[MemoryEntry]:
         from prefect.client.orchestration import get_client  # noqa: PLC0415 (as above)

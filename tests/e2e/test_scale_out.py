@@ -41,17 +41,11 @@ def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
         stop_hosts(started)
 
 
-def _partition(tmp: Path, hosts: list[SshHost], n: int, decode_ms: int) -> tuple[Path, list[str]]:
+def _partition(tmp: Path, n: int, targets: list[str], decode_ms: int, run: str) -> tuple[Path, list[str]]:
+    """An emulator partition of one dataset of ``n`` rows over ``targets`` (TOML entries)."""
     ids = [f"row-{i:04d}" for i in range(n)]
     (tmp / "ds.jsonl").write_text("".join(
         json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in ids))
-    entries = []
-    for h in hosts:
-        # Each host's server binds its own loopback address (the hosts share this machine's ports)
-        # and logs the requests it sees.
-        log = tmp / f"requests-{h.address}.log"
-        entries.append(f'{{ target = "{h.url()}", port = {free_port(h.address)}, flags = {{ host = "{h.address}", '
-                       f'env = {{ DATAGEN_EMU_REQUEST_LOG = "{log}" }} }} }}')
     part = tmp / "scale.toml"
     part.write_text(f"""name = "scale"
 [datasets]
@@ -62,20 +56,29 @@ reasoning_parser = "qwen3"
 [server]
 backend = "emulator"
 extra_args = {json.dumps([*FAST_EMU, "--emu-decode-ms-per-step", str(decode_ms)])}
-targets = [{", ".join(entries)}]
+targets = [{", ".join(targets)}]
 [run]
 shard_size = 25
 concurrency = 6
-max_relaunches = 2
 hygiene_grace_s = 1
-hang_timeout_s = 5
-host_wait_s = 5
+{run}
 [sampling]
 max_new_tokens = 256
 [output]
 root = "{tmp / 'out'}"
 """)
     return part, ids
+
+
+def _hosts_partition(tmp: Path, hosts: list[SshHost], n: int, decode_ms: int) -> tuple[Path, list[str]]:
+    entries = []
+    for h in hosts:
+        # Each host's server binds its own loopback address (the hosts share this machine's ports)
+        # and logs the requests it sees.
+        log = tmp / f"requests-{h.address}.log"
+        entries.append(f'{{ target = "{h.url()}", port = {free_port(h.address)}, flags = {{ host = "{h.address}", '
+                       f'env = {{ DATAGEN_EMU_REQUEST_LOG = "{log}" }} }} }}')
+    return _partition(tmp, n, entries, decode_ms, "max_relaunches = 2\nhang_timeout_s = 5\nhost_wait_s = 5")
 
 
 def _requests(tmp: Path, address: str) -> list[tuple[str, str]]:
@@ -94,7 +97,7 @@ def _env(prefect_server: PrefectServer, tmp: Path, hosts: list[SshHost]) -> dict
 
 def test_a_partition_across_three_hosts_uses_every_one(
         prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path) -> None:
-    part, ids = _partition(tmp_path, hosts, 240, decode_ms=4)
+    part, ids = _hosts_partition(tmp_path, hosts, 240, decode_ms=4)
     proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
                           env=_env(prefect_server, tmp_path, hosts), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)
@@ -116,7 +119,7 @@ def test_a_partition_across_three_hosts_uses_every_one(
 
 def test_a_host_lost_mid_shard_costs_only_its_requests_in_flight(
         prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = _partition(tmp_path, hosts, 300, decode_ms=8)
+    part, ids = _hosts_partition(tmp_path, hosts, 300, decode_ms=8)
     victim = hosts[1]
     with open(tmp_path / "run.log", "wb") as log:
         proc = subprocess.Popen([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
@@ -157,31 +160,10 @@ def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
     # Two local servers (GPU 0 and GPU 1) that each hang after 40 requests: /health_generate fails
     # while the process lives. The watchdog kills each, the requests it held go to the other or to
     # its relaunch (budget 1 per server), and the 120 rows complete exactly once.
-    ids = [f"row-{i:04d}" for i in range(120)]
-    (tmp_path / "ds.jsonl").write_text("".join(
-        json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in ids))
-    part = tmp_path / "hang.toml"
-    part.write_text(f"""name = "hang"
-[datasets]
-ds = "{tmp_path / 'ds.jsonl'}"
-[model]
-path = "{REPO_ROOT}/data/models/demo"
-reasoning_parser = "qwen3"
-[server]
-backend = "emulator"
-extra_args = {json.dumps([*FAST_EMU, "--emu-decode-ms-per-step", "4"])}
-targets = [{{ target = "local", gpus = [[0], [1]], flags = {{ env = {{ DATAGEN_EMU_ARGS = "--emu-hang-after 40" }} }} }}]
-[run]
-shard_size = 25
-concurrency = 6
-max_relaunches = 1
-hygiene_grace_s = 1
-hang_timeout_s = 2
-[sampling]
-max_new_tokens = 256
-[output]
-root = "{tmp_path / 'out'}"
-""")
+    part, ids = _partition(
+        tmp_path, 120, ['{ target = "local", gpus = [[0], [1]], '
+                        'flags = { env = { DATAGEN_EMU_ARGS = "--emu-hang-after 40" } } }'],
+        decode_ms=4, run="max_relaunches = 1\nhang_timeout_s = 2")
     SimGpus.init(tmp_path / "sim.json", count=2)
     env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"),
                              DATAGEN_SIM_GPUS=str(tmp_path / "sim.json"))
@@ -196,3 +178,24 @@ root = "{tmp_path / 'out'}"
     (record,) = records(tmp_path).values()
     assert len(record["servers"]) == 4 and not any(pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim.json").snapshot()["gpus"])
+
+
+def test_several_server_urls_share_the_work_with_no_launch_and_no_hygiene(
+        prefect_server: PrefectServer, tmp_path: Path, emulator_factory) -> None:  # type: ignore[no-untyped-def]
+    part, ids = _partition(tmp_path, 150, ['"local"'], decode_ms=4, run="")
+    servers = [emulator_factory(["--emu-decode-ms-per-step", "4", "--emu-request-log", str(tmp_path / f"req-{i}.log")])
+               for i in range(2)]
+    env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out"),
+                           "--server-url", servers[0].url, "--server-url", servers[1].url + "/"],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert_exactly_once(tmp_path / "out", {"ds": ids})
+    served = [[ln.split()[1] for ln in (tmp_path / f"req-{i}.log").read_text().splitlines() if ln.startswith("done")]
+              for i in range(2)]
+    assert all(served) and sorted(served[0] + served[1]) == sorted(ids)
+    for em, rows in zip(servers, served, strict=True):
+        assert f"server {em.url}: {len(rows)} rows" in text, text[-3000:]
+        assert em.proc.poll() is None  # someone else's: left running
+    assert "hygiene" not in text and "launch-" not in text
