@@ -25,9 +25,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,9 +43,21 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
+from tests.support.sshd import (  # noqa: E402
+    SSHD,
+    SshHost,
+    cut_off,
+    hosts_env,
+    restart_sshd,
+    start_hosts,
+    stop_hosts,
+)
 
 FAULTS = ("kill9", "server_crash", "runtime_oom", "hang", "http_503", "orphan", "stale_holder",
-          "disk_full", "malformed")
+          "disk_full", "malformed", "multi_server_dies", "multi_host_unreachable", "multi_server_hangs")
+# Faults of one server among three, each on its own host (a real sshd on 127.0.0.2, .3, .4).
+MULTI = ("multi_server_dies", "multi_host_unreachable", "multi_server_hangs")
+HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 TAG_ENV = "DATAGEN_CHAOS_TAG"
 MAX_PROGRESS_RERUNS = 12  # reruns beyond --max-reruns only while each adds rows
 VENV_BIN = Path(sys.executable).parent
@@ -77,6 +91,9 @@ class Plan:
     holder: dict[str, int] | None = None
     tmpfs_kib: int | None = None
     data_seed: int = 0
+    victim_args: str = ""  # multi: emulator fault flags of the victim host's server (DATAGEN_EMU_ARGS)
+    act_at_rows: int | None = None  # multi: kill the victim's server / cut its host off at this many rows
+    restore_after_s: float = 0.0  # multi_host_unreachable: its sshd comes back after this long
 
     def describe(self) -> str:
         bits: list[str] = []
@@ -98,6 +115,12 @@ class Plan:
             bits.append(f"tmpfs={self.tmpfs_kib}KiB")
         if self.fault == "malformed":
             bits.append(f"malformed={self.malformed}/ds")
+        if self.victim_args:
+            bits.append(f"victim {self.victim_args.removeprefix('--emu-')}")
+        if self.act_at_rows is not None:
+            bits.append(f"act@{self.act_at_rows}rows")
+        if self.restore_after_s:
+            bits.append(f"back after {self.restore_after_s:.1f}s")
         return " ".join(bits)
 
 
@@ -148,6 +171,13 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
         p.tmpfs_kib = rng.choice((48, 64, 96, 128))
     elif fault == "malformed":
         p.malformed = max(3, total // 10 // n_ds)
+    elif fault == "multi_server_dies":
+        p.act_at_rows = rng.randint(p.concurrency, max(p.concurrency, total // 2))
+    elif fault == "multi_host_unreachable":
+        p.act_at_rows = rng.randint(p.concurrency, max(p.concurrency, total // 2))
+        p.restore_after_s = rng.uniform(0.5, 4.0)
+    elif fault == "multi_server_hangs":
+        p.victim_args = f"--emu-hang-after {rng.randint(5, max(5, total // 6))}"
     return p
 
 
@@ -189,7 +219,27 @@ def write_dataset(path: Path, name: str, plan: Plan, rows: int) -> tuple[set[str
     return set(ids), bad_lines
 
 
-def write_partition(path: Path, plan: Plan, datasets: dict[str, Path], out: Path) -> None:
+def _targets(plan: Plan, hosts: list[SshHost]) -> str:
+    """``[server] targets``: local, or one entry per host, each server bound to its host's own
+    loopback address; the first host's server is the victim."""
+    if not hosts:
+        return '["local"]'
+    entries = []
+    for i, h in enumerate(hosts):
+        env = f', env = {{ DATAGEN_EMU_ARGS = "{plan.victim_args}" }}' if i == 0 and plan.victim_args else ""
+        entries.append(f'{{ target = "{h.url()}", port = {_free_port(h.address)}, '
+                       f'flags = {{ host = "{h.address}"{env} }} }}')
+    return "[" + ", ".join(entries) + "]"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def write_partition(path: Path, plan: Plan, datasets: dict[str, Path], out: Path,
+                    hosts: list[SshHost] | None = None) -> None:
     ds = "\n".join(f'{name} = "{p}"' for name, p in datasets.items())
     extra = ", ".join(json.dumps(a) for a in plan.extra_args)
     frac = f"mem_fraction_static = {plan.mem_fraction}\n" if plan.mem_fraction is not None else ""
@@ -201,7 +251,7 @@ path = "{MODEL_DIR}"
 reasoning_parser = "qwen3"
 [server]
 backend = "emulator"
-targets = ["local"]
+targets = {_targets(plan, hosts or [])}
 tp_size = 2
 port = 0
 launch_deadline_s = 60
@@ -212,6 +262,7 @@ concurrency = {plan.concurrency}
 max_relaunches = 3
 hygiene_grace_s = 1
 hang_timeout_s = 3
+host_wait_s = 30
 [sampling]
 max_new_tokens = 256
 [output]
@@ -348,8 +399,10 @@ def _done_rows(out: Path) -> int:
 
 
 def _run_datagen(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float, plan: Plan | None,
-                 out: Path) -> str:
-    """One `datagen run`; with a kill plan, SIGKILL it at the planned moment. Returns the status."""
+                 out: Path, act: tuple[int, Callable[[], bool]] | None = None) -> str:
+    """One `datagen run`; with a kill plan, SIGKILL it at the planned moment; with ``act``
+    (rows, action), call the action once that many rows are done (again until it returns True).
+    Returns the status."""
     with open(log, "ab") as fh:
         fh.write(f"\n=== {' '.join(cmd)}\n".encode())
         fh.flush()
@@ -358,6 +411,8 @@ def _run_datagen(cmd: list[str], env: dict[str, str], log: Path, timeout_s: floa
         try:
             while proc.poll() is None:
                 elapsed = time.monotonic() - start
+                if act is not None and _done_rows(out) >= act[0] and act[1]():
+                    act = None
                 if plan is not None and (
                         (plan.kill_at_s is not None and elapsed >= plan.kill_at_s)
                         or (plan.kill_at_rows is not None and _done_rows(out) >= plan.kill_at_rows)):
@@ -418,6 +473,33 @@ def _sim_used_mib(sim_path: Path) -> int:
     return sum(int(g.get("used_mib", 0)) for g in snap["gpus"])
 
 
+def _victim_action(plan: Plan, rdir: Path, victim: SshHost, timers: list[threading.Timer]) -> Callable[[], bool]:
+    """What a multi round does to its victim host once ``plan.act_at_rows`` rows are done."""
+    def kill_server() -> bool:
+        # The victim's newest server, from the run record (written the moment it started).
+        for rec in (rdir / "state" / "runs").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                mine = [x for x in json.loads(rec.read_text()).get("servers", []) if x.get("target") == victim.url()]
+                if mine and mine[-1].get("state") == "ready":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(int(mine[-1]["pgid"]), signal.SIGKILL)
+                    return True
+        return False  # not up yet: try again at the next poll
+
+    def cut() -> bool:
+        cut_off(victim)
+
+        def restore() -> None:
+            victim.proc = restart_sshd(victim.server)
+
+        timer = threading.Timer(plan.restore_after_s, restore)
+        timers.append(timer)
+        timer.start()
+        return True
+
+    return kill_server if plan.fault == "multi_server_dies" else cut
+
+
 def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_timeout_s: float) -> RoundResult:
     t0 = time.monotonic()
     res = RoundResult(plan.round, plan.fault, plan.describe())
@@ -437,7 +519,20 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
                               "DATAGEN_RUN_DIR": str(rdir / "run"),
                               "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
+    hosts: list[SshHost] = []
+    timers: list[threading.Timer] = []
+    act: tuple[int, Callable[[], bool]] | None = None
     try:
+        if plan.fault in MULTI:
+            if not os.path.exists(SSHD):
+                res.errors.append("multi-server faults need openssh-server (/usr/sbin/sshd)")
+                return res
+            # The tag in every session's environment marks what the hosts run (servers included).
+            hosts = start_hosts(rdir / "hosts", HOSTS, gpus=2, session_env={TAG_ENV: tag})
+            env.update(hosts_env(hosts))
+            env.pop(ENV_VAR)  # each host's simulated GPUs come from its sshd
+            if plan.act_at_rows is not None:
+                act = (plan.act_at_rows, _victim_action(plan, rdir, hosts[0], timers))
         ids: dict[str, set[str]] = {}
         bad: dict[str, set[int]] = {}
         paths: dict[str, Path] = {}
@@ -445,7 +540,7 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             paths[name] = rdir / f"{name}.jsonl"
             ids[name], bad[name] = write_dataset(paths[name], name, plan, n)
         part = rdir / "partition.toml"
-        write_partition(part, plan, paths, out)
+        write_partition(part, plan, paths, out, hosts)
         if plan.tmpfs_kib:
             r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={plan.tmpfs_kib}k", "chaos-tmpfs", str(out)],
                                capture_output=True, text=True)
@@ -457,7 +552,9 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             holder = _start_holder(plan.holder, env, rdir / "holder.log")
         cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
         log = rdir / "run.log"
-        status = _run_datagen(cmd, env, log, run_timeout_s, plan if plan.fault == "kill9" else None, out)
+        status = _run_datagen(cmd, env, log, run_timeout_s, plan if plan.fault == "kill9" else None, out, act)
+        for timer in timers:
+            timer.join()  # the host is back before any rerun
         res.runs.append(status)
         if mounted:  # the operator frees space: grow the filesystem in place
             subprocess.run(["mount", "-o", "remount,size=256m", str(out)], check=True)
@@ -486,12 +583,13 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             except subprocess.TimeoutExpired:
                 pass
         # Processes and GPU memory: poll briefly (a just-killed process is reaped asynchronously).
+        sims = [sim_path, *(h.sim_gpus for h in hosts)]
         end = time.monotonic() + 5
         left = tagged_pids(tag)
-        used = _sim_used_mib(sim_path)
+        used = sum(_sim_used_mib(p) for p in sims)
         while (left or used) and time.monotonic() < end:
             time.sleep(0.1)
-            left, used = tagged_pids(tag), _sim_used_mib(sim_path)
+            left, used = tagged_pids(tag), sum(_sim_used_mib(p) for p in sims)
         res.leftovers = [describe_pid(p) for p in left]
         res.gpu_mib_left = used
         kill_pids(left)
@@ -499,6 +597,9 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
         res.errors.append(f"harness: {type(exc).__name__}: {exc}")
         kill_pids(tagged_pids(tag))
     finally:
+        for timer in timers:
+            timer.join()
+        stop_hosts(hosts)
         if holder is not None and holder.poll() is None:
             holder.kill()
             holder.wait()

@@ -1,7 +1,7 @@
 """`datagen run`: run the datagen flow now, in this process.
 
     datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--model-path DIR] [--out DIR]
-                [--backend sglang|emulator] [--server-url URL] [--shard-size N] [--concurrency N]
+                [--backend sglang|emulator] [--server-url URL ...] [--shard-size N] [--concurrency N]
                 [--tp-size N] [--mem-fraction-static F] [--reasoning-parser NAME]
 
 Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else starts
@@ -9,7 +9,7 @@ its own API server for the run ($DATAGEN_API_START_TIMEOUT_S bounds its start, d
 GPU host another run holds is waited for at most $DATAGEN_SLOT_WAIT_S (default 300 s). ``--input``
 runs ad-hoc datasets with the partition's model and server settings:
 without ``--partition``, those of ``adhoc`` (one local GPU; ``--tp-size`` for more), else ``all``;
-``--server-url`` uses a running server (no launch, no hygiene on it).
+``--server-url`` uses a running server (no launch, no hygiene on it); given several times, several.
 
 Exit codes: 0 the run completed (validation passed); 1 the run failed (hygiene, launch, inference
 or validation; the message says which), or another run held the GPU host past the slot wait; 2
@@ -93,7 +93,8 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p.add_argument("--model-path", help="model directory (on the target host)")
     p.add_argument("--out", help="output directory (used as is: no nightly versioning)")
     p.add_argument("--backend", choices=BACKENDS)
-    p.add_argument("--server-url", help="use this running server: no launch, no hygiene")
+    p.add_argument("--server-url", action="append", metavar="URL",
+                   help="use this running server: no launch, no hygiene; repeatable (work goes to whichever is free)")
     p.add_argument("--shard-size", type=int)
     p.add_argument("--concurrency", type=int)
     p.add_argument("--tp-size", type=int, help="GPUs the launched server uses (tensor parallel size)")
@@ -150,6 +151,19 @@ def _locked(cfg: PartitionConfig) -> OutputLocked | None:
     return OutputLocked(out.path / "_lock", holder) if holder is not None else None
 
 
+def server_lines(servers: list[dict[str, Any]]) -> list[str]:
+    """What each server of a run did (only when there were several, or one was lost)."""
+    if len(servers) < 2 and not any(s.get("lost") for s in servers):
+        return []
+    lines = []
+    for s in servers:
+        why = "; ".join([*s.get("drops", []), *([f"lost: {s['lost']}"] if s.get("lost") else []),
+                         *([f"not stopped: {s['left_running']}"] if s.get("left_running") else [])])
+        lines.append(f"  server {s['server']}: {s['rows']} rows, {s['tokens_per_s']:.0f} tokens/s, "
+                     f"{s['launches']} launch(es), {s['state']}" + (f" ({why})" if why else ""))
+    return lines
+
+
 def failure_label(result: Any, failed: str) -> str:
     """How a refused or failed run's message starts: "refused" (output locked), "configuration
     error", or ``failed``."""
@@ -170,6 +184,8 @@ def main(argv: list[str]) -> int:
     code, result = run_flow(partition_of(args), overrides_of(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
+        for line in server_lines(result.get("servers") or []):
+            print(line)
         print(result["validation"])
         if result.get("latest"):
             print(f"latest -> {result['out_dir']}")

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import time
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-health-timeout", type=float, default=20.0)
     e.add_argument("--emu-host-mem-gib", type=float, default=None)
     e.add_argument("--emu-drain-timeout", type=float, default=30.0)
+    e.add_argument("--emu-request-log", default=os.environ.get("DATAGEN_EMU_REQUEST_LOG") or None,
+                   help="append 'recv RID' when a /generate request arrives and 'done RID' when it is "
+                        "answered (default: $DATAGEN_EMU_REQUEST_LOG)")
     return p
 
 
@@ -272,6 +276,7 @@ class Main:
             engine=engine, context_length=a.context_length,
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
             rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None, startup_s=time.monotonic() - _STARTED,
+            request_log=open(a.emu_request_log, "a", buffering=1) if a.emu_request_log else None,  # noqa: SIM115
         )
         self.state = st
         for c in self.children:
@@ -337,12 +342,27 @@ def _finish_args(args: argparse.Namespace, model: ModelInfo) -> None:
         args.max_running_requests = 2048 if args.emu_decode_ms_per_step <= 0 else 256
 
 
+EMU_ARGS_ENV = "DATAGEN_EMU_ARGS"
+
+
+def _env_emu_args() -> list[str]:
+    """``--emu-*`` flags from ``$DATAGEN_EMU_ARGS`` (shell words), after the command line's: a fault
+    for one server of a run (its environment is a per-target flag) without changing its command
+    line, which the rows' fingerprint holds. Other flags there are a usage error."""
+    words = shlex.split(os.environ.get(EMU_ARGS_ENV, ""))
+    bad = [w for w in words if w.startswith("-") and not w.startswith("--emu-")]
+    if bad:
+        print(f"emulator: ${EMU_ARGS_ENV} takes --emu-* flags only, got {bad[0]}", file=sys.stderr)
+        raise SystemExit(2)
+    return words
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the emulator. Returns only on a usage error (2) or a missing model dir (1)."""
     parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(given)
+        args = parser.parse_args([*given, *_env_emu_args()])
     except SystemExit as exc:
         return int(exc.code or 0)
     args.emu_launch_argv = given  # /server_info's launch_command, as SGLang reports sys.argv

@@ -52,6 +52,12 @@ class ServerState:
     rng_503: random.Random | None = None
     template: Any = None
     startup_s: float = 0.0  # from the start of the main process until it served
+    request_log: Any = None  # an open text file (--emu-request-log): tests count requests per rid
+
+    def log_request(self, event: str, reqs: list[Any]) -> None:
+        if self.request_log is not None:
+            self.request_log.write("".join(f"{event} {r.rid}\n" for r in reqs))
+            self.request_log.flush()  # a killed server's log must hold every request it saw
 
 
 def _graphs(decode: float) -> dict[str, float]:
@@ -367,10 +373,12 @@ def build_app(st: ServerState) -> web.Application:
             engine.submit(reqs)
         except QueueFull:
             return _queue_full()
+        st.log_request("recv", reqs)
         many = batch or len(reqs) > 1
         if body.get("stream"):
             return await _stream(request, reqs, many)
         await _finished(reqs)
+        st.log_request("done", reqs)
         if many:
             return _json([_result(st, r) for r in reqs])
         return _json(_result(st, reqs[0]))

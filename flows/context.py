@@ -6,6 +6,7 @@ handed to every stage task and to the server session instead of long argument li
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class RunContext:
         cfg: the partition config with the run's overrides applied.
         plan: the output directory chosen for the run.
         run_id: the Prefect flow run id (None outside a flow run).
-        target: where the server runs (one server per partition).
+        target: where the server runs (the first target; ``for_server`` gives each server's).
         host: the physical GPU host of ``target``.
         gpus: the GPUs the server uses: the only ones the run's hygiene touches.
         parser: the reasoning parser (None: no split).
@@ -56,9 +57,16 @@ class RunContext:
     @classmethod
     def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None) -> RunContext:
         """The context of a run of ``cfg`` into ``plan``."""
-        target = cfg.targets[0]  # one server per partition
+        target = cfg.targets[0]
         return cls(cfg=cfg, plan=plan, run_id=run_id, target=target, host=host_of(target),
                    gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint())
+
+    def for_server(self, cfg: PartitionConfig) -> RunContext:
+        """The context of one server of the run: ``cfg`` is ``self.cfg.for_server(slot)`` (a
+        launched server) or ``self.cfg.for_url(url)`` (a running one)."""
+        target = cfg.targets[0]
+        return dataclasses.replace(self, cfg=cfg, target=target, host=host_of(target),
+                                   gpus=tuple(cfg.server_gpus()), fingerprint=cfg.server_fingerprint())
 
     @property
     def launches(self) -> bool:

@@ -1,8 +1,9 @@
 """The `datagen` flow: clean GPUs -> launch (tuned) -> health -> inference per dataset (validation
 gate per committed shard) -> validate the output -> (nightly) promote `latest`.
 
-Each line of the body calls a stage task (flows/stages.py), enters the server session
-(flows/session.py) or holds a lock: the output's `_lock`, then `gpu:<host>` while a server lives.
+Each line of the body calls a stage task (flows/stages.py), enters the run's servers (flows/fleet.py:
+one session per server, launched at once, each request going to whichever is free) or holds a
+lock: the output's `_lock`, then `gpu:<host>` of every host while its servers live.
 Recovery, the run records and the hygiene scope are in the README's Decisions (Flow, Run records,
 GPU hygiene).
 """
@@ -13,7 +14,6 @@ import math
 import os
 import socket
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -21,12 +21,11 @@ from prefect.context import get_run_context
 
 from flows import runrecord
 from flows.context import RunContext
+from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.hooks import cleanup_hook
 from flows.progress import Progress
-from flows.session import ServerSession
 from flows.stages import (
-    health_check,
     infer_dataset,
     load_config,
     prepare_run,
@@ -56,7 +55,7 @@ def datagen(
     model_path: str | None = None,
     out: str | None = None,
     backend: str | None = None,
-    server_url: str | None = None,
+    server_url: str | list[str] | None = None,
     shard_size: int | None = None,
     concurrency: int | None = None,
     tp_size: int | None = None,
@@ -70,17 +69,19 @@ def datagen(
         partition: a name in deployments/ or a TOML path.
         inputs, model_path, out, backend, server_url, shard_size, concurrency, tp_size,
             mem_fraction_static, reasoning_parser, truncation_retries: override the partition config
-            (``tasks.config.Overrides``; see ``datagen run --help``).
+            (``tasks.config.Overrides``; see ``datagen run --help``); ``server_url`` may list several running
+            servers.
 
     Raises:
         ConfigError, OutputLocked, LaunchFailed, ValidationFailed, InputChanged: as named.
-        ServerGone: the server kept dying: the run's ``max_relaunches`` budget is spent.
+        ServerGone: no server is left: each died, hung or became unreachable past its
+            ``max_relaunches`` budget (the message says why each went).
     """
     overrides = Overrides.from_mapping(locals())
     run_id = _flow_run_id()
     cfg = load_config(partition, overrides)
     ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id)
-    progress = _progress(cfg, run_id)
+    progress, total_rows = _progress(cfg, run_id)
     output = OutputDir(ctx.plan.out_dir)
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
         output.check_intact()  # a missing or changed shard stops the run before a GPU is touched
@@ -89,19 +90,20 @@ def datagen(
         try:
             if ctx.launches:
                 _reclaim_dead_runs(ctx)
-            with gpu_slots([ctx.target] if ctx.launches else [], on_lease=_record_lease(run_id),
+            fleet = Fleet(ctx, total_rows=total_rows)
+            with gpu_slots([s.target for s in cfg.servers()], on_lease=_record_lease(run_id),
                            on_release=lambda: runrecord.update(run_id, lease_released=True),
-                           holders=lambda name: slot_holders(name, exclude=run_id)), \
-                    ServerSession(ctx) as server:
-                health_check(ctx, server.endpoint)
+                           holders=lambda name: slot_holders(name, exclude=run_id)), fleet:
+                fleet.wait_ready()
                 for name, path in cfg.datasets.items():
-                    server.run(partial(infer_dataset, ctx, DatasetSpec(name, path), progress=progress))
+                    infer_dataset(ctx, DatasetSpec(name, path), fleet.pool, progress=progress)
         finally:
             progress.close()
         report = validate(ctx)
         latest = promote(ctx.plan)
     return {"partition": cfg.name, "out_dir": str(ctx.plan.out_dir), "latest": latest,
-            "shards": progress.done_shards, "rows": progress.rows, "validation": report["summary"]}
+            "shards": progress.done_shards, "rows": progress.rows, "validation": report["summary"],
+            "servers": fleet.report()}
 
 
 def _record_lease(run_id: str | None) -> Callable[[str], None]:
@@ -134,12 +136,14 @@ def _flow_run_id() -> str | None:
     return str(fr.id) if fr is not None else None
 
 
-def _progress(cfg: PartitionConfig, run_id: str | None) -> Progress:
-    total = 0
+def _progress(cfg: PartitionConfig, run_id: str | None) -> tuple[Progress, int]:
+    """The run's progress and its number of input records."""
+    total = rows = 0
     for name, path in cfg.datasets.items():
         n = sum(1 for _ in iter_dataset(path, name))  # rejects count: shard k is a fixed input slice
         total += max(1, math.ceil(n / cfg.shard_size))
-    return Progress(partition=cfg.name, total_shards=total, logger=get_run_logger(), flow_run_id=run_id)
+        rows += n
+    return Progress(partition=cfg.name, total_shards=total, logger=get_run_logger(), flow_run_id=run_id), rows
 
 
 def _committed(output: OutputDir) -> tuple[int, int]:

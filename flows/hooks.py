@@ -73,7 +73,9 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
             if s.get("target") == target and target != "local" and s.get("state") not in ("stopped", "ended")
         )
         try:
-            report = clean_gpus(target=target, gpus=list(gpus), grace_s=grace, extra_pids=pids)
+            # Each target's own servers' GPUs when recorded (several servers per run), else the run's.
+            mine = (record.get("target_gpus") or {}).get(target, gpus)
+            report = clean_gpus(target=target, gpus=list(mine), grace_s=grace, extra_pids=pids)
             summary = report.summary()
             verdict = report.verdict
         except Exception as exc:

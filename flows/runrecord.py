@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ __all__ = [
     "update",
     "update_server",
 ]
+
+
+# Server sessions run in threads of one flow process: each read-modify-write of a record holds this.
+_LOCK = threading.RLock()
 
 
 def _path(flow_run_id: str) -> Path:
@@ -60,13 +65,14 @@ def update(flow_run_id: str | None, **fields: Any) -> None:
     """
     if not flow_run_id:
         return
-    data = read(flow_run_id)
-    servers = data.get("servers", [])
-    for s in fields.pop("servers", []):
-        servers.append(s)
-    data.update(fields)
-    data["servers"] = servers
-    _write(flow_run_id, data)
+    with _LOCK:
+        data = read(flow_run_id)
+        servers = data.get("servers", [])
+        for s in fields.pop("servers", []):
+            servers.append(s)
+        data.update(fields)
+        data["servers"] = servers
+        _write(flow_run_id, data)
 
 
 def _write(flow_run_id: str, data: dict[str, Any]) -> None:
@@ -88,15 +94,17 @@ def update_server(flow_run_id: str | None, pid: int, **fields: Any) -> None:
     there is none, e.g. a record written before servers were recorded at start)."""
     if not flow_run_id:
         return
-    data = read(flow_run_id)
-    servers = data.setdefault("servers", [])
-    for s in reversed(servers):
-        if s.get("pid") == pid:
-            s.update(fields)
-            break
-    else:
-        servers.append({"pid": pid, **fields})
-    _write(flow_run_id, data)
+    with _LOCK:
+        data = read(flow_run_id)
+        servers = data.setdefault("servers", [])
+        for s in reversed(servers):
+            # Servers on several hosts may share a pid: the target tells them apart when given.
+            if s.get("pid") == pid and ("target" not in fields or s.get("target") in (None, fields["target"])):
+                s.update(fields)
+                break
+        else:
+            servers.append({"pid": pid, **fields})
+        _write(flow_run_id, data)
 
 
 def owner(pid: int | None = None) -> dict[str, Any]:

@@ -44,16 +44,20 @@ class ServerSession:
         self.fingerprint = ctx.fingerprint
 
     def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """Clean the GPUs and launch (or identify a shared server)."""
         if self.ctx.launches:
             hygiene(self.ctx, "before-launch")
             self.handle = launch_server(self.ctx)
         else:
             self.fingerprint = identify_server(self.ctx)
-        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._stop()
+        self.stop()
 
     @property
     def endpoint(self) -> Endpoint:
@@ -63,7 +67,8 @@ class ServerSession:
             if cfg.server_url is None:
                 raise RuntimeError("the server session has no server (not entered, or stopped)")
             return Endpoint(cfg.server_url, self.fingerprint, cfg.api_key())
-        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.is_alive)
+        # A closed port forward reads as gone at once: the server cannot be reached through it.
+        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.reachable_and_alive)
 
     def run(self, work: Callable[[Endpoint], T]) -> T:
         """``work(endpoint)`` until it returns, relaunching the server when it is gone.
@@ -74,28 +79,37 @@ class ServerSession:
         """
         while True:
             try:
-                with self._watchdog():
+                with self.watchdog():
                     return work(self.endpoint)
             except Exception as exc:
                 if not (needs_relaunch(exc) and self.handle is not None
                         and self.relaunches < self.ctx.cfg.max_relaunches):
                     raise
-            self._relaunch()
+            self.relaunch()
 
-    def _watchdog(self) -> contextlib.AbstractContextManager[object]:
+    def watchdog(self) -> contextlib.AbstractContextManager[HangWatchdog | None]:
+        """The hang watchdog of the launched server (none for a shared server: not ours to kill)."""
         if self.handle is None:
-            return contextlib.nullcontext()  # a shared server is not ours to kill
+            return contextlib.nullcontext()
         return HangWatchdog(self.handle, self.ctx.cfg.hang_timeout_s, get_run_logger())
 
-    def _relaunch(self) -> None:
+    def relaunch(self, diagnose: bool = True) -> None:
+        """Count a relaunch, diagnose the gone server's log (unless done), stop it, clean its GPUs
+        and launch again.
+
+        Raises:
+            Exception: what the stop, hygiene or launch raises (the session then has no server).
+        """
         assert self.handle is not None
         self.relaunches += 1
-        diagnose_server(self.ctx, self.handle)
-        self._stop()
+        if diagnose:
+            diagnose_server(self.ctx, self.handle)
+        self.stop()
         hygiene(self.ctx, f"relaunch-{self.relaunches}")
         self.handle = launch_server(self.ctx)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Stop the server, if there is one (idempotent)."""
         if self.handle is not None:
             stop(self.ctx, self.handle)
             self.handle = None

@@ -44,6 +44,7 @@ from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
     DatasetSpec,
     Endpoint,
+    ServerPool,
     ShardProgress,
     check_resume,
     external_fingerprint,
@@ -114,9 +115,14 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     sim = _sim_gpus(cfg, root)
     log_dir = root / "_logs"
     log_dir.mkdir(exist_ok=True)
+    target_gpus: dict[str, list[int]] = {}
+    for slot in cfg.servers():
+        target_gpus.setdefault(slot.target, []).extend(cfg.for_server(slot).server_gpus())
     runrecord.update(
         flow_run_id, partition=cfg.name, targets=list(cfg.targets), out_dir=str(out),
-        sim_gpus=sim, shared_server=cfg.server_url is not None, gpus=cfg.server_gpus(),
+        sim_gpus=sim, shared_server=cfg.server_url is not None,
+        gpus=sorted({g for gpus in target_gpus.values() for g in gpus}) or cfg.server_gpus(),
+        target_gpus={t: sorted(set(g)) for t, g in target_gpus.items()},
     )
     get_run_logger().info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
     return RunPlan(out_dir=out, root=root, version=out.name if cfg.versioned else None, sim_gpus=sim, log_dir=log_dir)
@@ -277,13 +283,16 @@ def stop(ctx: RunContext, handle: ServerHandle) -> None:
 @task(task_run_name=_run_name("infer-{dataset}@{host}"), retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NONE)
-def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint, progress: Progress) -> dict[str, Any]:
-    """Generate one dataset into the run's output, resuming committed shards and journals.
+def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool,
+                  progress: Progress) -> dict[str, Any]:
+    """Generate one dataset into the run's output, resuming committed shards and journals, against
+    one server or the run's pool of servers (each request to whichever is free).
 
     Raises:
         ValidationFailed: the first rows (the canary) or a committed shard failed validation (not
             retried).
-        ServerGone: the server died or stopped answering (the session relaunches it).
+        ServerGone: the server died or stopped answering (the session relaunches it); with a pool,
+            no server is left and none is coming back.
         Exception: what ``tasks.inference.run_dataset`` raises; transport errors are retried.
     """
     logger = get_run_logger()

@@ -3,7 +3,8 @@
 ``load_partition("all")`` reads ``deployments/all.toml`` (a path to any ``.toml`` works too) into a
 frozen ``PartitionConfig``; every error is a ``ConfigError`` naming the file and the key. The keys
 are listed in the README (Configuration). Parts: ``_model`` (value objects, ``Overrides``),
-``_load`` (finding and parsing files), ``_checks`` (value checks).
+``_load`` (finding and parsing files), ``_checks`` (value checks), ``_servers`` (the servers of a
+partition: ``[server] targets`` entries, ``PartitionConfig.servers()``).
 """
 
 from __future__ import annotations

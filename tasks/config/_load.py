@@ -15,7 +15,6 @@ from typing import Any
 
 from tasks.config._checks import (
     ConfigError,
-    check_target,
     fraction,
     input_file,
     no_unknown,
@@ -36,8 +35,11 @@ from tasks.config._model import (
     ServerSettings,
     SimGpuSettings,
     check_launch,
+    check_servers,
+    check_urls,
 )
 from tasks.config._sampling import check_sampling
+from tasks.config._servers import TargetServers, parse_targets
 from tasks.inference import ORDERS
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
@@ -72,7 +74,7 @@ def list_partitions() -> list[str]:
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
-             "truncation", "order", "order_window"}
+             "truncation", "order", "order_window", "host_wait_s"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
@@ -149,9 +151,9 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
 
     run = table(data, "run", f)
     no_unknown(run, _RUN_KEYS, f, "run.")
-    server_url = opt_str(run.get("server_url"), f, "run.server_url")
-    if server_url is not None and not server_url.startswith(("http://", "https://")):
-        raise ConfigError(f"{f}: run.server_url: {server_url!r} is not an http(s) URL")
+    raw_urls = run.get("server_url")
+    urls = check_urls([raw_urls] if isinstance(raw_urls, str) else raw_urls, f, "run.server_url") if (
+        raw_urls is not None) else ()
 
     order = run.get("order", "prefix")
     if order not in ORDERS:
@@ -187,15 +189,17 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
         order=order,
         order_window=order_window,
+        host_wait_s=nonneg_float(run.get("host_wait_s", 300.0), f, "run.host_wait_s"),
         sampling=sampling,
         truncation=truncation,
         validation=validation,
         output_root=writable_dir(resolve_path(root, base), f, "output.root"),
         versioned=versioned,
         sim_gpus=sim,
-        server_url=server_url.rstrip("/") if server_url else None,
+        server_urls=urls,
     )
     check_launch(cfg, f)
+    check_servers(cfg, f)
     return cfg
 
 
@@ -235,20 +239,25 @@ def _check_validation(values: dict[str, Any], f: str) -> dict[str, Any]:
     return dict(values)
 
 
+def _target_flags(entry: TargetServers, i: int, s: dict[str, Any], f: str, model_path: str) -> TargetServers:
+    """``entry`` with its flags checked as ``[server]`` keys and converted as the loader does."""
+    merged = {k: v for k, v in s.items() if k != "targets"} | dict(entry.flags)
+    if entry.gpu_groups:
+        merged["gpus"] = list(entry.gpu_groups[0])
+    where = f"{f}: server.targets[{i}].flags"
+    try:
+        launch = _parse_server(merged, where, model_path).launch
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"{where}: server.", f"{where}.", 1)) from exc
+    return dataclasses.replace(entry, flags={k: getattr(launch, k) for k in entry.flags})
+
+
 def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
     no_unknown(s, set(SERVER_KEYS), f, "server.")
     backend = s.get("backend", "sglang")
     if backend not in BACKENDS:
         raise ConfigError(f"{f}: server.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    targets = s.get("targets", ["local"])
-    if isinstance(targets, str):
-        targets = [targets]
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise ConfigError(f"{f}: server.targets: a non-empty list of target strings")
-    for t in targets:
-        check_target(t, f)
-    if len(set(targets)) != len(targets):
-        raise ConfigError(f"{f}: server.targets: a target is listed twice (one server per GPU host)")
+    entries = parse_targets(s.get("targets", ["local"]), f)
     gpus = s.get("gpus")
     if gpus is not None:
         if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
@@ -291,9 +300,12 @@ def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
     allow_open = s.get("allow_unauthenticated_bind", False)
     if not isinstance(allow_open, bool):
         raise ConfigError(f"{f}: server.allow_unauthenticated_bind: must be true or false")
+    if any(e.flags for e in entries):
+        entries = tuple(_target_flags(e, i, s, f, model_path) for i, e in enumerate(entries))
     return ServerSettings(
         launch=launch_cfg,
-        targets=tuple(targets),
+        targets=tuple(e.target for e in entries),
+        target_servers=entries if any(e != TargetServers(e.target) for e in entries) else (),
         port=port,
         api_key_secret=opt_str(s.get("api_key_secret"), f, "server.api_key_secret"),
         hub_token_secret=opt_str(s.get("hub_token_secret"), f, "server.hub_token_secret"),

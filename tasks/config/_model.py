@@ -27,6 +27,7 @@ from tasks.config._checks import (
     positive_int,
     writable_dir,
 )
+from tasks.config._servers import ServerSlot, TargetServers, slots_of
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.targets import parse_target
@@ -40,6 +41,8 @@ __all__ = [
     "ServerSettings",
     "SimGpuSettings",
     "check_launch",
+    "check_servers",
+    "check_urls",
     "dataset_name_of",
 ]
 
@@ -65,7 +68,7 @@ class ServerSettings:
         launch: every launch setting of ``[server]``, under ServerConfig's own names (``[server]``
             keys map 1:1 onto its fields); ``PartitionConfig.server_config`` fills in the model
             path, port, reasoning parser and API key of each launch.
-        targets: where the server may run (one server per GPU host).
+        targets: the target strings of the partition's servers (one entry each in ``target_servers``).
         port: the port to listen on; 0: a free one, picked at launch.
         api_key_secret: the Prefect Secret block holding the server's API key.
         hub_token_secret: the Prefect Secret block holding the model hub token.
@@ -73,6 +76,8 @@ class ServerSettings:
         allow_unauthenticated_bind: accept a server on a routable address (``launch.host`` not a
             loopback one) without an API key; refused otherwise, since anyone who reaches the
             address can use the server.
+        target_servers: each target's GPU groups, port and flags (empty: one server per target on
+            ``launch.gpus``); see tasks.config._servers.
     """
 
     launch: ServerConfig
@@ -82,13 +87,14 @@ class ServerSettings:
     hub_token_secret: str | None = None
     launch_deadline_s: float = 900.0
     allow_unauthenticated_bind: bool = False
+    target_servers: tuple[TargetServers, ...] = ()
 
 
 # ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
 NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port"})
 # Every [server] key: ServerConfig's launch settings and the partition's own.
 SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
-                        | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch"})
+                        | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch", "target_servers"})
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class Overrides:
     model_path: str | None = None
     out: str | None = None
     backend: str | None = None
-    server_url: str | None = None
+    server_url: str | tuple[str, ...] | None = None  # one or several running servers
     shard_size: int | None = None
     concurrency: int | None = None
     tp_size: int | None = None
@@ -123,6 +129,10 @@ class Overrides:
         picked = {k: values[k] for k in cls.names() if values.get(k) is not None}
         if "inputs" in picked:
             picked["inputs"] = tuple(str(p) for p in picked["inputs"])
+        if isinstance(picked.get("server_url"), list | tuple):
+            picked["server_url"] = tuple(str(u) for u in picked["server_url"]) or None
+            if picked["server_url"] is None:
+                del picked["server_url"]
         return cls(**picked)
 
     def as_kwargs(self) -> dict[str, Any]:
@@ -130,6 +140,8 @@ class Overrides:
         out = {k: getattr(self, k) for k in self.names() if getattr(self, k) is not None}
         if "inputs" in out:
             out["inputs"] = list(out["inputs"])
+        if isinstance(out.get("server_url"), tuple):
+            out["server_url"] = list(out["server_url"])
         return out
 
 
@@ -168,15 +180,46 @@ class PartitionConfig:
     output_root: Path = Path("data/out")
     versioned: bool = False
     sim_gpus: SimGpuSettings | None = None
-    server_url: str | None = None
+    server_url: str | None = None  # the first of ``server_urls``
     hygiene_grace_s: float = 10.0
     hang_timeout_s: float = 120.0
     order: str = "prefix"  # send order: prefix (cache-aware) | input
     order_window: int | None = None  # rows per reordering window (None: from the concurrency)
+    server_urls: tuple[str, ...] = ()  # running servers to use instead of launching (no hygiene)
+    host_wait_s: float = 300.0  # how long a server whose host is unreachable is waited for
+
+    def __post_init__(self) -> None:
+        # server_url and server_urls name the same servers: whichever was given fills the other.
+        if self.server_urls and self.server_url != self.server_urls[0]:
+            object.__setattr__(self, "server_url", self.server_urls[0])
+        elif self.server_url is not None and not self.server_urls:
+            object.__setattr__(self, "server_urls", (self.server_url,))
 
     @property
     def targets(self) -> tuple[str, ...]:
         return self.server.targets
+
+    def servers(self) -> list[ServerSlot]:
+        """The servers this partition launches, in config order (none with ``server_urls``)."""
+        if self.server_urls:
+            return []
+        return slots_of(self.server.target_servers, self.server.targets, self.server.port)
+
+    def for_server(self, slot: ServerSlot) -> PartitionConfig:
+        """This config as the single-server config of ``slot``: its target, GPUs, port and flags.
+
+        Raises:
+            ServerConfigError: the flags or GPUs make an invalid launch (e.g. fewer GPUs than tp_size).
+        """
+        launch = self.server.launch
+        launch = dataclasses.replace(launch, gpus=slot.gpus if slot.gpus is not None else launch.gpus, **slot.flags)
+        server = dataclasses.replace(self.server, launch=launch, targets=(slot.target,), target_servers=(),
+                                     port=slot.port)
+        return dataclasses.replace(self, server=server)
+
+    def for_url(self, url: str) -> PartitionConfig:
+        """This config using the one running server at ``url``."""
+        return dataclasses.replace(self, server_url=url, server_urls=(url,))
 
     def with_overrides(self, overrides: Overrides) -> PartitionConfig:
         """A copy with ``overrides`` applied and validated with the file's checks.
@@ -204,9 +247,9 @@ class PartitionConfig:
                 raise ConfigError(f"{where}: backend: {overrides.backend!r} is not one of {', '.join(BACKENDS)}")
             launch["backend"] = overrides.backend
         if overrides.server_url is not None:
-            if not overrides.server_url.startswith(("http://", "https://")):
-                raise ConfigError(f"{where}: server_url: {overrides.server_url!r} is not an http(s) URL")
-            changes["server_url"] = overrides.server_url.rstrip("/")
+            urls = (overrides.server_url,) if isinstance(overrides.server_url, str) else overrides.server_url
+            changes["server_urls"] = check_urls(urls, where, "server_url")
+            changes["server_url"] = changes["server_urls"][0]
         if overrides.shard_size is not None:
             changes["shard_size"] = positive_int(overrides.shard_size, where, "shard_size")
         if overrides.concurrency is not None:
@@ -227,6 +270,7 @@ class PartitionConfig:
             raise ConfigError(f"{where}: {key}: {exc}") from exc
         out_cfg = dataclasses.replace(self, server=server, **changes)
         check_launch(out_cfg, where)
+        check_servers(out_cfg, where)
         return out_cfg
 
     def server_config(self, port: int, reasoning_parser: str | None) -> ServerConfig:
@@ -307,7 +351,8 @@ class PartitionConfig:
             "model_path": self.model_path,
             "backend": self.server.launch.backend,
             "targets": list(self.targets),
-            "server_url": self.server_url,
+            "servers": [s.label() for s in self.servers()],
+            "server_url": list(self.server_urls) if len(self.server_urls) > 1 else self.server_url,
             "shard_size": self.shard_size,
             "concurrency": self.concurrency,
             "output_root": str(self.output_root),
@@ -358,6 +403,41 @@ def check_launch(cfg: PartitionConfig, where: str) -> None:
                           "(the interpreter that has SGLang, or the emulator's)")
     if cfg.server.api_key_secret is None and not os.environ.get(_ENV_API_KEY):
         _check_bind(cfg.server, where, None)
+
+
+def check_urls(urls: tuple[str, ...] | list[str], where: str, key: str) -> tuple[str, ...]:
+    """Running servers' URLs: each http(s), none twice; returned without trailing slashes.
+
+    Raises:
+        ConfigError: an empty list, a URL that is not http(s), or one given twice.
+    """
+    if not urls:
+        raise ConfigError(f"{where}: {key}: at least one http(s) URL")
+    out: list[str] = []
+    for url in urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: {key}: {url!r} is not an http(s) URL")
+        if url.rstrip("/") in out:
+            raise ConfigError(f"{where}: {key}: {url!r} is given twice")
+        out.append(url.rstrip("/"))
+    return tuple(out)
+
+
+def check_servers(cfg: PartitionConfig, where: str) -> None:
+    """Every server of ``cfg`` makes a valid launch (its GPUs hold its tp_size, its flags are
+    ServerConfig values).
+
+    Raises:
+        ConfigError: names the target and what is wrong.
+    """
+    for slot in cfg.servers():
+        try:
+            cfg.for_server(slot)
+        except ServerConfigError as exc:
+            raise ConfigError(f"{where}: server.targets: {slot.target} server {slot.index} "
+                              f"(GPUs {list(slot.gpus or ())}): {exc}") from exc
+        except TypeError as exc:
+            raise ConfigError(f"{where}: server.targets: {slot.target}: flags: {exc}") from exc
 
 
 def _check_bind(server: ServerSettings, where: str, why_no_key: str | None) -> None:

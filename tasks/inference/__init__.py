@@ -1,7 +1,8 @@
 """Sharded inference against SGLang's native ``/generate``: client, worker pool, rows, driver.
 
 ``run_dataset(spec, out_dir, endpoint, settings)`` generates one dataset into committed Parquet
-shards, resuming what is on disk; ``Endpoint`` is the server, ``InferenceSettings`` the how.
+shards, resuming what is on disk; ``Endpoint`` is the server (a ``ServerPool`` several, each request
+going to whichever is free), ``InferenceSettings`` the how.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tasks.inference._client import (
     default_concurrency,
     server_error_message,
 )
+from tasks.inference._dispatch import Dispatcher, Lane, ServerPool
 from tasks.inference._driver import run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._order import ORDERS, prefix_order
@@ -45,6 +47,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "DatasetResult",
     "DatasetSpec",
+    "Dispatcher",
     "Endpoint",
     "GenerateClient",
     "GenerateResult",
@@ -52,10 +55,12 @@ __all__ = [
     "InferenceSettings",
     "ORDERS",
     "PROVENANCE_COLUMNS",
+    "Lane",
     "PromptTooLong",
     "Provenance",
     "RequestRejected",
     "ServerGone",
+    "ServerPool",
     "ShardProgress",
     "Transport",
     "TruncationPolicy",

@@ -18,9 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
+from tasks.inference._client import ClientConfig, GenerateClient, ServerGone, default_concurrency
+from tasks.inference._dispatch import Dispatcher, ServerPool
 from tasks.inference._pool import InferencePool
 from tasks.inference._provenance import (
     Provenance,
@@ -71,7 +72,7 @@ def _first_error(exc: BaseException) -> BaseException:
 async def run_dataset_async(
     spec: DatasetSpec,
     out_dir: str | Path,
-    endpoint: Endpoint,
+    endpoint: Endpoint | ServerPool,
     settings: InferenceSettings,
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
@@ -116,7 +117,9 @@ async def run_dataset_async(
         conc = settings.concurrency or default_concurrency(info)
         cfg = dataclasses.replace(cfg, concurrency=conc,
                                   api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
-        result = DatasetResult(spec.name, str(out.path), settings.shard_size, conc, recovered=recovered)
+        # Several servers: the workers are every server's slots (those still launching included).
+        workers = endpoint.capacity(settings.concurrency) if isinstance(endpoint, ServerPool) else conc
+        result = DatasetResult(spec.name, str(out.path), settings.shard_size, workers, recovered=recovered)
         result.shards_skipped = len(out.committed_indices(spec.name))
         model_name = settings.model_name
         if model_name is None:
@@ -124,9 +127,9 @@ async def run_dataset_async(
                              or (Path(model_dir).name if model_dir else "unknown"))
         provenance = await loop.run_in_executor(
             None, _provenance, out, spec.name, settings.model_dir, template, info, run_info.get("flow_run"))
-        async with GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive) as client:
+        async with _client_for(endpoint, cfg, settings.concurrency) as client:
             driver = InferencePool(
-                spec, out, client, shard_size=settings.shard_size, concurrency=conc,
+                spec, out, client, shard_size=settings.shard_size, concurrency=workers,
                 sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
@@ -164,6 +167,15 @@ def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, temp
         chat_template_hash=template_hash(template.source if template is not None else None),
         run_id=run_id, attempt=next_attempt(out, dataset, run_id),
     )
+
+
+def _client_for(endpoint: Endpoint | ServerPool, cfg: ClientConfig,
+                concurrency: int | None) -> contextlib.AbstractAsyncContextManager[GenerateClient]:
+    """The client of a run: one server's, or a dispatcher over a pool's servers."""
+    if isinstance(endpoint, ServerPool):
+        return cast(contextlib.AbstractAsyncContextManager[GenerateClient],
+                    Dispatcher(endpoint, cfg, concurrency))
+    return GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive)
 
 
 def canary_size(canary_rows: int, concurrency: int) -> int:
@@ -207,7 +219,7 @@ def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, datas
 def run_dataset(
     spec: DatasetSpec,
     out_dir: str | Path,
-    endpoint: Endpoint,
+    endpoint: Endpoint | ServerPool,
     settings: InferenceSettings,
     *,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
@@ -221,7 +233,9 @@ def run_dataset(
     Args:
         spec: the dataset's name and input file.
         out_dir: the output directory (its lock is taken, or reused when the caller holds it).
-        endpoint: the server, its fingerprint (the rows' ``server`` column) and liveness check.
+        endpoint: the server, its fingerprint (the rows' ``server`` column) and liveness check; or a
+            ``ServerPool`` of several, each request going to whichever has a free slot (a server
+            that is gone is dropped and its unfinished requests go to the others).
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
         on_shard_committed: called with each committed shard's record (e.g. the validation gate).
         progress: called with a ``ShardProgress`` after each commit.
@@ -230,7 +244,8 @@ def run_dataset(
             ``tasks.validation.check_canary``); not called when the run generates fewer.
 
     Raises:
-        ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set).
+        ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set);
+            with a ServerPool: no server is left and none is coming back.
         RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
         InputChanged: the input or the shard size differs from the one the output was bound to, or
             the sampling or parser from those of the rows it holds (``check_resume``).

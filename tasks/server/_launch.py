@@ -130,6 +130,15 @@ class ServerHandle:
             return server_remote.is_alive(self.target, self.pid)
         return bool(live_pids([self.pid]))
 
+    def route_open(self) -> bool:
+        """Whether the way to the server is open: a remote server's SSH port forward still runs
+        (always True for a local server)."""
+        return self._tunnel is None or self._tunnel.proc.poll() is None
+
+    def reachable_and_alive(self) -> bool:
+        """Whether requests can reach a live server: its route is open and its process lives."""
+        return self.route_open() and self.is_alive()
+
     def exit_status(self) -> int | None:
         """The main process's exit status (negative: killed by that signal); None while alive/unknown."""
         return self._popen.poll() if self._popen is not None else None
@@ -448,8 +457,10 @@ def stop_server(
     Idempotent. Returns the hygiene report (None when ``hygiene`` is None). Raises StopFailed when
     ``verify`` and the report's verdict is not "clean".
     """
-    pids = _kill_group(handle, grace_s)
-    _close_tunnel(handle)
+    try:
+        pids = _kill_group(handle, grace_s)
+    finally:
+        _close_tunnel(handle)  # local: closable even when the server's host no longer answers
     log.info("server %s (pgid %d) stopped; pids %s", handle.url, handle.pgid, pids)
     if hygiene is None:
         return None

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -268,6 +269,9 @@ def variable_name(key: str) -> str:
     return name
 
 
+_PREFECT_UPDATES = threading.Lock()
+
+
 class PrefectStore:
     """One Prefect Variable per key, named by ``variable_name`` (host, model, tp, GPU); entries learned
     under the older hashed names (``datagen_fraction_<24 hex>``) are read, and moved to the readable
@@ -293,19 +297,30 @@ class PrefectStore:
         return self._find(key)[1]
 
     def update(self, key: str, fn: Callable[[MemoryEntry], None]) -> MemoryEntry:
+        from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415 (as above)
         from prefect.variables import Variable  # noqa: PLC0415 (Prefect only when its store is used)
 
-        # Last writer wins: two runs tuning the same key at once is already prevented by the
-        # one-server-per-host limit, so no compare-and-swap here.
-        found, entry = self._find(key)
-        entry = MemoryEntry(key=key) if entry is None else entry
-        entry.key = str(key)
-        _apply(entry, fn)
-        name = variable_name(key)
-        Variable.set(name, entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
-        if found is not None and found != name:  # moved from its legacy name
-            Variable.unset(found)
-        return entry
+        # Last writer wins across runs (one run per host: the gpu:<host> limit). The servers of one
+        # run on one host share a key and launch at once: their updates take turns here, and a
+        # variable another process created between our read and our write is read again.
+        with _PREFECT_UPDATES:
+            tries = 3
+            while True:
+                found, entry = self._find(key)
+                entry = MemoryEntry(key=key) if entry is None else entry
+                entry.key = str(key)
+                _apply(entry, fn)
+                name = variable_name(key)
+                try:
+                    Variable.set(name, entry.to_dict(), tags=["datagen", "mem-fraction"], overwrite=True)
+                except ObjectAlreadyExists:
+                    tries -= 1
+                    if not tries:
+                        raise
+                    continue
+                if found is not None and found != name:  # moved from its legacy name
+                    Variable.unset(found)
+                return entry
 
     def named_entries(self) -> list[tuple[str, MemoryEntry]]:
         from prefect.client.orchestration import get_client  # noqa: PLC0415 (as above)

@@ -8,6 +8,7 @@ openssh-server; tests are skipped with that hint when /usr/sbin/sshd is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -20,8 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
+from emulator.simgpu import ENV_VAR, SimGpus
 from tests.support.common import free_port
 from tests.support.paths import REPO_ROOT
 
@@ -49,6 +52,7 @@ class SshServer:
     known_hosts: str
     log_path: str
     pct_log: str = ""
+    argv: tuple[str, ...] = ()  # how it was started: `restart_sshd` starts it again the same way
 
     def url(self, kind: str = "ssh", ctid: int | None = None) -> str:
         tail = f"/{ctid}" if kind == "pct" else ""
@@ -108,27 +112,36 @@ def start_sshd(workdir: Path, address: str = "127.0.0.1", set_env: dict[str, str
     argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
     for o in opts:
         argv += ["-o", o]
-    log = open(log_path, "wb")
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    finally:
-        log.close()
+    server = SshServer(host=address, port=port, pid=0, user="root", key_path=str(client_key),
+                       known_hosts=str(known), log_path=str(log_path), argv=tuple(argv))
+    return server, restart_sshd(server, deadline_s)
+
+
+def restart_sshd(server: SshServer, deadline_s: float = 15.0) -> subprocess.Popen[bytes]:
+    """Start ``server``'s sshd (again): same address, port, keys and settings; returns it once it
+    accepts TCP connections (``server.pid`` is updated).
+
+    Raises:
+        RuntimeError: sshd exited or did not listen in time (the message holds its log).
+    """
+    log_path = Path(server.log_path)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(server.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + deadline_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"sshd exited {proc.returncode}: {log_path.read_text()[-2000:]}")
         try:
-            with socket.create_connection((address, port), timeout=0.5):
+            with socket.create_connection((server.host, server.port), timeout=0.5):
                 break
         except OSError as exc:
             if time.monotonic() > deadline:
                 stop_sshd(proc)
                 raise RuntimeError(
-                    f"sshd did not listen on {address}:{port}: {log_path.read_text()[-2000:]}") from exc
+                    f"sshd did not listen on {server.host}:{server.port}: {log_path.read_text()[-2000:]}") from exc
             time.sleep(0.02)
-    server = SshServer(host=address, port=port, pid=proc.pid, user="root", key_path=str(client_key),
-                       known_hosts=str(known), log_path=str(log_path))
-    return server, proc
+    server.pid = proc.pid
+    return proc
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +173,87 @@ def ssh_env(sshd_server: SshServer, monkeypatch: pytest.MonkeyPatch) -> SshServe
     return sshd_server
 
 
-__all__ = ["SshServer", "start_sshd", "stop_sshd", "sshd_server", "ssh_env"]
+@dataclass
+class SshHost:
+    """One simulated GPU host: a real sshd on its own loopback address with its own simulated GPUs
+    (``DATAGEN_SIM_GPUS`` set for its sessions by sshd)."""
+
+    server: SshServer
+    proc: subprocess.Popen[bytes]
+    sim_gpus: Path
+
+    @property
+    def address(self) -> str:
+        return self.server.host
+
+    def url(self) -> str:
+        return self.server.url()
+
+
+def start_hosts(workdir: Path, addresses: list[str], gpus: int = 2,
+                session_env: dict[str, str] | None = None) -> list[SshHost]:
+    """An sshd per address (e.g. 127.0.0.2, .3, .4), each with ``gpus`` simulated GPUs; one client
+    key and one known_hosts file reach them all (``hosts_env``). ``session_env`` is set in every
+    session too. Stop them with ``stop_hosts``.
+
+    Raises:
+        RuntimeError: an sshd did not start (those started are stopped).
+    """
+    hosts: list[SshHost] = []
+    try:
+        for addr in addresses:
+            sim = workdir / f"sim-gpus-{addr}.json"
+            SimGpus.init(sim, count=gpus)
+            server, proc = start_sshd(workdir / f"sshd-{addr}", address=addr,
+                                      set_env={ENV_VAR: str(sim), **(session_env or {})})
+            hosts.append(SshHost(server, proc, sim))
+    except BaseException:
+        stop_hosts(hosts)
+        raise
+    key = Path(hosts[0].server.key_path)
+    known = workdir / "known_hosts"
+    known.write_text("".join(Path(h.server.known_hosts).read_text() for h in hosts))
+    for h in hosts:
+        # sshd reads authorized_keys per connection: the first host's client key opens every host.
+        (Path(h.server.key_path).parent / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+        h.server.key_path, h.server.known_hosts = str(key), str(known)
+    return hosts
+
+
+def stop_hosts(hosts: list[SshHost]) -> None:
+    for h in hosts:
+        stop_sshd(h.proc)
+
+
+def cut_off(host: SshHost) -> None:
+    """Make ``host`` unreachable: SIGKILL its sshd and every connection it serves (port forwards
+    die with them); what runs detached on the host (a server) keeps running. ``restart_sshd``
+    brings it back."""
+    try:
+        listener = psutil.Process(host.proc.pid)
+        procs = [listener, *listener.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=5)
+    host.proc.wait()
+
+
+def hosts_env(hosts: list[SshHost]) -> dict[str, str]:
+    """The environment of a datagen process that reaches ``hosts``: the shared key, known_hosts, a
+    short connect timeout and remote commands pointed at this Python and the nvidia-smi stand-in
+    (the simulated GPUs come from each host's sshd)."""
+    remote = {"PATH": f"{REPO_ROOT / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+              "DATAGEN_PYTHON": sys.executable}
+    return {"DATAGEN_SSH_KEY": hosts[0].server.key_path, "DATAGEN_SSH_KNOWN_HOSTS": hosts[0].server.known_hosts,
+            "DATAGEN_SSH_CONNECT_TIMEOUT": "3",
+            "DATAGEN_REMOTE_ENV": " ".join(shlex.quote(f"{k}={v}") for k, v in remote.items())}
+
+
+__all__ = ["SshHost", "SshServer", "cut_off", "hosts_env", "restart_sshd", "start_hosts", "start_sshd",
+           "stop_hosts", "stop_sshd", "sshd_server", "ssh_env"]
 
 
 def stand_in_remote_env() -> str:

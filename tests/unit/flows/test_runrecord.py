@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,23 @@ def test_end_dead_servers_checks_pid_and_start_time_and_spares_live_runs(
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=5)
+
+
+def test_concurrent_sessions_record_every_server_and_tell_hosts_apart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Server sessions of one run record from threads at once; two hosts may use the same pid.
+    monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path))
+    targets = [f"ssh://h{i}" for i in range(8)]
+
+    def session(target: str) -> None:
+        runrecord.add_server("run", target, 4242, 4242)
+        runrecord.update_server("run", 4242, target=target, url=f"http://{target[6:]}", state="ready")
+
+    threads = [threading.Thread(target=session, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    servers = runrecord.read("run")["servers"]
+    assert sorted(s["target"] for s in servers) == targets
+    assert all(s["state"] == "ready" and s["url"] == f"http://{s['target'][6:]}" for s in servers)

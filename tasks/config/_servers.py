@@ -1,0 +1,160 @@
+"""The servers of a partition: ``[server] targets`` entries expanded into one ``ServerSlot`` each.
+
+An entry is a target string (one server on the GPUs of ``server.gpus``) or a table::
+
+    { target = "ssh://gpu1", gpus = [[0, 1], [2, 3], [4, 5], [6, 7]], port = 31000,
+      flags = { max_running_requests = 64, python = "/opt/sglang/bin/python" } }
+
+``gpus`` is one GPU list (one server) or a list of GPU lists (one server per group); ``port`` is the
+first server's port on that target (the next servers count up from it); ``flags`` are ``[server]``
+launch keys for this target's servers only (e.g. ``python``, ``host``, ``env``,
+``max_running_requests``, ``mem_fraction_static``), never one the rows' ``server`` fingerprint holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.config._checks import ConfigError, check_target, no_unknown
+from tasks.targets import parse_target
+
+__all__ = ["FINGERPRINT_KEYS", "FLAG_EXCLUDED", "ServerSlot", "TargetServers", "parse_targets", "slots_of"]
+
+# Launch keys a target's flags may not set: the partition's (model, backend) or the entry's own.
+FLAG_EXCLUDED = frozenset({"backend", "gpus", "targets", "port", "api_key_secret", "hub_token_secret",
+                           "launch_deadline_s", "allow_unauthenticated_bind"})
+# ...nor what the rows' `server` fingerprint holds: every server of a run must generate alike, since
+# a shard mixes rows of every server (and validation refuses mixed fingerprints).
+FINGERPRINT_KEYS = frozenset({"tp_size", "served_model_name", "context_length", "extra_args"})
+_ENTRY_KEYS = {"target", "gpus", "port", "flags"}
+REMOTE_PORT = 30000  # a remote server's port when the partition names none (its host's loopback)
+
+
+@dataclass(frozen=True)
+class TargetServers:
+    """One ``[server] targets`` entry: a target and the servers it runs.
+
+    Args:
+        target: the target string.
+        gpu_groups: one GPU tuple per server; None: one server on ``server.gpus``.
+        port: the first server's port (None: ``server.port``).
+        flags: ``[server]`` launch keys for these servers (raw values; checked by the loader).
+    """
+
+    target: str
+    gpu_groups: tuple[tuple[int, ...], ...] | None = None
+    port: int | None = None
+    flags: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerSlot:
+    """One server of a run: its target, GPUs, port and launch flags.
+
+    Args:
+        target: where it runs.
+        gpus: its GPUs (None: ``server.gpus``, else 0..tp_size-1).
+        port: its port (0: a free one, picked at launch).
+        flags: ``[server]`` launch keys that differ from the partition's.
+        index: its position among its target's servers.
+    """
+
+    target: str
+    gpus: tuple[int, ...] | None
+    port: int
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    index: int = 0
+
+    def label(self, gpus: tuple[int, ...] | list[int] | None = None) -> str:
+        """``host[gpu 0,1]``: how logs, task runs and reports name this server."""
+        t = parse_target(self.target)
+        host = "local" if t.is_local else f"{t.host}" + (f"/{t.ctid}" if t.ctid is not None else "")
+        shown = self.gpus if gpus is None else gpus
+        return f"{host}[gpu {','.join(str(g) for g in shown)}]" if shown else host
+
+
+def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
+    """The ``[server] targets`` value (a string, or a list of strings and tables), checked.
+
+    Raises:
+        ConfigError: names ``server.targets[i]`` and what is wrong.
+    """
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{f}: server.targets: a non-empty list of target strings or tables")
+    out: list[TargetServers] = []
+    for i, item in enumerate(raw):
+        key = f"server.targets[{i}]"
+        if isinstance(item, str):
+            check_target(item, f)
+            out.append(TargetServers(item))
+            continue
+        if not isinstance(item, dict):
+            raise ConfigError(f"{f}: {key}: a target string or a table with `target`")
+        no_unknown(item, _ENTRY_KEYS, f, f"{key}.")
+        target = item.get("target")
+        if not isinstance(target, str) or not target:
+            raise ConfigError(f"{f}: {key}.target: required (local, ssh://host or pct://host/CTID)")
+        check_target(target, f)
+        flags = item.get("flags", {})
+        if not isinstance(flags, dict):
+            raise ConfigError(f"{f}: {key}.flags: a table of [server] launch keys")
+        bad = sorted(set(flags) & FLAG_EXCLUDED)
+        if bad:
+            raise ConfigError(f"{f}: {key}.flags.{bad[0]}: not a per-target flag (set it in [server] or on the entry)")
+        alike = sorted(set(flags) & FINGERPRINT_KEYS)
+        if alike:
+            raise ConfigError(f"{f}: {key}.flags.{alike[0]}: not a per-target flag: it changes the rows' `server` "
+                              "fingerprint, and every server of a run must generate alike; set it in [server]")
+        port = item.get("port")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535):
+            raise ConfigError(f"{f}: {key}.port: {port!r} is not a TCP port")
+        out.append(TargetServers(target, _gpu_groups(item.get("gpus"), f, f"{key}.gpus"), port, dict(flags)))
+    seen = [str(parse_target(t.target)) for t in out]
+    if len(set(seen)) != len(seen):
+        raise ConfigError(f"{f}: server.targets: a target is listed twice (list its servers' GPU groups "
+                          "in one entry: gpus = [[0, 1], [2, 3]])")
+    return tuple(out)
+
+
+def _gpu_groups(value: Any, f: str, key: str) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{f}: {key}: a list of GPU indices, or a list of such lists (one server each)")
+    groups = value if all(isinstance(g, list) for g in value) else [value]
+    used: set[int] = set()
+    out = []
+    for g in groups:
+        if not g or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in g):
+            raise ConfigError(f"{f}: {key}: {g!r} is not a non-empty list of GPU indices")
+        if used & set(g):
+            raise ConfigError(f"{f}: {key}: GPU {sorted(used & set(g))[0]} is in two servers' groups")
+        used |= set(g)
+        out.append(tuple(g))
+    return tuple(out)
+
+
+def slots_of(entries: tuple[TargetServers, ...], targets: tuple[str, ...], port: int) -> list[ServerSlot]:
+    """Every server of a partition, in config order.
+
+    Args:
+        entries: the parsed ``[server] targets`` (empty: one server per string of ``targets``).
+        targets: the target strings (used when ``entries`` is empty).
+        port: ``server.port`` (0: a free port for a local server, ``REMOTE_PORT`` on a remote host).
+    """
+    slots: list[ServerSlot] = []
+    for entry in entries or tuple(TargetServers(t) for t in targets):
+        groups: tuple[tuple[int, ...] | None, ...] = entry.gpu_groups or (None,)
+        base = entry.port if entry.port is not None else port
+        local = parse_target(entry.target).is_local
+        for i, gpus in enumerate(groups):
+            if base:
+                p = base + i
+            else:
+                p = 0 if local else REMOTE_PORT + i
+            slots.append(ServerSlot(entry.target, gpus, p, dict(entry.flags), i))
+    return slots

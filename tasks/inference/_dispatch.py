@@ -1,0 +1,414 @@
+"""Several servers behind one client: each request goes to whichever server has a free slot.
+
+``ServerPool`` is a run's set of servers as they come and go. It is thread-safe: the server sessions
+(one thread each) announce a server (``expect``), add it once ready (``add``: a ``Lane``), and learn
+from ``Lane.dropped`` that the dispatcher gave it up; they relaunch it or give up (``give_up``).
+``run_dataset`` takes a ServerPool where it takes an ``Endpoint`` and then generates through a
+``Dispatcher`` (one per event loop): a request takes a free slot of a serving lane, and a request
+whose server is gone (``ServerGone`` from that lane's client) drops the lane and takes a slot of
+another, so a lost server costs only the requests it had in flight; finished rows were returned
+(and journaled) once. The dispatcher raises ``ServerGone`` only when no lane serves and no session
+can bring one back.
+
+Per request the dispatcher adds one queue get and put to the client's cost: slots are tokens in an
+``asyncio.Queue`` (``concurrency`` per lane), so a fast server returns its tokens sooner and gets
+more rows, a slow one fewer, and the last rows of a run are spread over every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tasks.inference._client import (
+    DEFAULT_CONCURRENCY,
+    ClientConfig,
+    ClientStats,
+    GenerateClient,
+    GenerateResult,
+    ServerGone,
+    default_concurrency,
+)
+from tasks.inference._settings import Endpoint
+
+__all__ = ["Dispatcher", "Lane", "ServerPool"]
+
+
+class Lane:
+    """One server's place in a pool, from ``ServerPool.add`` until it is dropped.
+
+    Counters are written by the dispatcher's event loop only and read by reporters (ints: a read
+    sees a recent value).
+    """
+
+    def __init__(self, name: str, endpoint: Endpoint, concurrency: int | None, recoverable: bool = True) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.concurrency = concurrency
+        self.recoverable = recoverable
+        self.state = "serving"  # then "dropped", or "finished" when the run ended
+        self.reason = ""
+        self.dropped = threading.Event()
+        self.rows = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.requests = 0
+        self.retries = 0
+        self.added = time.monotonic()
+        self.ended: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.endpoint.url, "state": self.state, "reason": self.reason,
+                "rows": self.rows, "completion_tokens": self.completion_tokens, "requests": self.requests,
+                "seconds": round((self.ended or time.monotonic()) - self.added, 3)}
+
+
+class ServerPool:
+    """The servers of a run (see the module docstring).
+
+    Args:
+        max_workers_per_server: requests in flight per server when the run's concurrency is unset.
+    """
+
+    def __init__(self, max_workers_per_server: int = DEFAULT_CONCURRENCY) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.lanes: list[Lane] = []
+        self._pending: dict[str, str] = {}  # session name -> what it is doing (launching, relaunching)
+        self._names: list[str] = []  # every session announced, in order
+        self.lost: dict[str, str] = {}  # session name -> why it was given up
+        self._listeners: list[Callable[[], None]] = []
+        self.max_workers_per_server = max_workers_per_server
+        self.closed = False
+
+    # -- sessions (any thread) ---------------------------------------------------------------------
+
+    def expect(self, name: str, doing: str = "launching") -> None:
+        """Session ``name`` is bringing a server up: the dispatcher waits for it rather than fail."""
+        with self._lock:
+            if name not in self._names:
+                self._names.append(name)
+            self._pending[name] = doing
+            self.lost.pop(name, None)
+        self._notify()
+
+    def add(self, name: str, endpoint: Endpoint, concurrency: int | None = None, *,
+            recoverable: bool = True) -> Lane:
+        """Server ``name`` is ready at ``endpoint``: requests may go to it now.
+
+        Args:
+            concurrency: its requests in flight (None: the run's, else from its /server_info).
+            recoverable: whether a session may bring it back once dropped (False: a dropped lane
+                is lost at once, e.g. a server someone else runs).
+
+        Raises:
+            ValueError: its fingerprint differs from the servers' added before (the rows' ``server``).
+        """
+        lane = Lane(name, endpoint, concurrency, recoverable)
+        with self._lock:
+            if self.lanes and endpoint.fingerprint != self.lanes[0].endpoint.fingerprint:
+                # A shard holds rows of every server: they must all generate alike.
+                raise ValueError(f"server {name} is {endpoint.fingerprint!r}, the run's other servers "
+                                 f"{self.lanes[0].endpoint.fingerprint!r}: its rows would differ")
+            if name not in self._names:
+                self._names.append(name)
+            self._pending.pop(name, None)
+            self.lanes.append(lane)
+            if self.closed:  # ready after the run ended: its session stops it at once
+                self._drop_locked(lane, "ready after the run ended")
+        self._notify()
+        return lane
+
+    def give_up(self, name: str, reason: str) -> None:
+        """Session ``name`` will bring no server (back): it never became ready, or is lost."""
+        with self._lock:
+            self._pending.pop(name, None)
+            self.lost[name] = reason
+            for lane in self.lanes:
+                if lane.name == name and lane.state == "serving":
+                    self._drop_locked(lane, reason)
+        self._notify()
+
+    def drop(self, lane: Lane, reason: str) -> None:
+        """Stop sending requests to ``lane``; its session is told (``lane.dropped``) and counts as
+        pending until it relaunches or gives up. Idempotent."""
+        with self._lock:
+            if lane.state != "serving":
+                return
+            self._drop_locked(lane, reason)
+            if not lane.recoverable:
+                self.lost[lane.name] = reason
+            elif not self.closed and lane.name not in self.lost:
+                self._pending[lane.name] = "recovering"
+        self._notify()
+
+    def _drop_locked(self, lane: Lane, reason: str) -> None:
+        lane.state, lane.reason, lane.ended = "dropped", reason, time.monotonic()
+        lane.dropped.set()
+
+    def close(self) -> None:
+        """The run is over: sessions stop their servers; waiting ones stop waiting."""
+        with self._lock:
+            self.closed = True
+            self._pending.clear()
+            for lane in self.lanes:
+                if lane.state == "serving":
+                    lane.state, lane.ended = "finished", time.monotonic()
+                lane.dropped.set()  # wakes the sessions
+        self._notify()
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def serving(self) -> list[Lane]:
+        with self._lock:
+            return [lane for lane in self.lanes if lane.state == "serving"]
+
+    def exhausted(self) -> bool:
+        """Whether no server serves and no session is bringing one (back)."""
+        with self._lock:
+            return self._exhausted_locked()
+
+    def _exhausted_locked(self) -> bool:
+        return not self._pending and not any(lane.state == "serving" for lane in self.lanes)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until a server serves (True) or none can (False: every session gave up)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                if any(lane.state == "serving" for lane in self.lanes):
+                    return True
+                if self._exhausted_locked() or self.closed:
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._changed.wait(left)
+
+    def capacity(self, per_server: int | None) -> int:
+        """Requests in flight the whole pool can take: ``per_server`` (else the pool's default) for
+        every session announced that has not been given up."""
+        with self._lock:
+            n = sum(1 for name in self._names if name not in self.lost) or 1
+        return n * (per_server or self.max_workers_per_server)
+
+    def pending(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._pending)
+
+    def why_none(self) -> str:
+        """Why no server serves: each session's last reason."""
+        with self._lock:
+            reasons = dict(self.lost)
+            for lane in self.lanes:
+                reasons.setdefault(lane.name, lane.reason)
+        return "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no server was added"
+
+    # Endpoint-like attributes, for run_dataset's probe of the server (model name, concurrency).
+    def _first(self) -> Lane:
+        lanes = self.serving()
+        if not lanes:
+            raise ServerGone(f"no server is serving ({self.why_none()})")
+        return lanes[0]
+
+    @property
+    def url(self) -> str:
+        return self._first().endpoint.url
+
+    @property
+    def api_key(self) -> str | None:
+        return self._first().endpoint.api_key
+
+    @property
+    def fingerprint(self) -> str:
+        """The servers' fingerprint (all alike): the rows' ``server`` column."""
+        return self._first().endpoint.fingerprint
+
+    alive = None
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per session: rows, tokens, requests, time served, state and why it was dropped or lost."""
+        with self._lock:
+            lanes = list(self.lanes)
+            names = list(self._names)
+            lost = dict(self.lost)
+            pending = dict(self._pending)
+        out = []
+        for name in names:
+            mine = [lane for lane in lanes if lane.name == name]
+            seconds = sum((lane.ended or time.monotonic()) - lane.added for lane in mine)
+            tokens = sum(lane.completion_tokens for lane in mine)
+            if name in lost:
+                state = "lost" if mine else "never ready"
+            elif any(lane.state in ("serving", "finished") for lane in mine):
+                state = mine[-1].state
+            else:
+                state = pending.get(name) or ("stopped" if mine else "not started")
+            out.append({
+                "server": name, "state": state, "rows": sum(lane.rows for lane in mine),
+                "completion_tokens": tokens, "requests": sum(lane.requests for lane in mine),
+                "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+                "launches": len(mine), "urls": [lane.endpoint.url for lane in mine],
+                "drops": [lane.reason for lane in mine if lane.reason],
+                "lost": lost.get(name),
+            })
+        return out
+
+
+class _Slot:
+    """A lane as one event loop sees it: its open client."""
+
+    __slots__ = ("lane", "client", "live")
+
+    def __init__(self, lane: Lane, client: GenerateClient) -> None:
+        self.lane = lane
+        self.client = client
+        self.live = True
+
+
+class Dispatcher:
+    """``generate`` over a ``ServerPool``, as ``GenerateClient.generate`` over one server; use it as
+    ``async with`` in one event loop.
+
+    Args:
+        pool: the servers.
+        config: client settings of every lane (its concurrency and API key are set per lane).
+        concurrency: requests in flight per server (None: from each server's /server_info).
+    """
+
+    def __init__(self, pool: ServerPool, config: ClientConfig, concurrency: int | None) -> None:
+        self.pool = pool
+        self.config = config
+        self.concurrency = concurrency
+        self._slots: dict[int, _Slot] = {}  # id(lane) -> slot
+        self._free: asyncio.Queue[_Slot | None] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opening: set[asyncio.Task[None]] = set()
+        self._closed_stats = ClientStats()
+        self._last_error = ""
+
+    @property
+    def stats(self) -> ClientStats:
+        """Requests and retries over every lane (those closed included)."""
+        total = ClientStats(self._closed_stats.requests, self._closed_stats.retries)
+        for slot in self._slots.values():
+            total.requests += slot.client.stats.requests
+            total.retries += slot.client.stats.retries
+        return total
+
+    async def __aenter__(self) -> Dispatcher:
+        self._loop = asyncio.get_running_loop()
+        self.pool.subscribe(self._wake)
+        self._sync()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pool.unsubscribe(self._wake)
+        for task in list(self._opening):
+            task.cancel()
+        for slot in self._slots.values():
+            await slot.client.aclose()
+
+    def _wake(self) -> None:
+        """Called by the pool from any thread."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._sync)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _sync(self) -> None:
+        """Open a client for each new serving lane; forget dropped ones; fail waiters when no server
+        is left and none is coming."""
+        for lane in self.pool.serving():
+            if id(lane) not in self._slots:
+                cfg = dataclasses.replace(self.config, api_key=lane.endpoint.api_key or self.config.api_key)
+                slot = _Slot(lane, GenerateClient(lane.endpoint.url, cfg, server_alive=lane.endpoint.alive))
+                self._slots[id(lane)] = slot
+                task = asyncio.ensure_future(self._open(slot))
+                self._opening.add(task)
+                task.add_done_callback(self._opening.discard)
+        for slot in self._slots.values():
+            if slot.live and slot.lane.state != "serving":
+                slot.live = False
+        if self.pool.exhausted():
+            self._free.put_nowait(None)
+
+    async def _open(self, slot: _Slot) -> None:
+        conc = self.concurrency or slot.lane.concurrency
+        try:
+            if conc is None:
+                async with GenerateClient(slot.lane.endpoint.url, slot.client.config) as probe:
+                    conc = default_concurrency(await probe.server_info())
+            slot.client.config = dataclasses.replace(slot.client.config, concurrency=conc)
+            await slot.client.__aenter__()
+        except Exception as exc:  # an unusable lane is dropped like a dead one
+            self._lost(slot, ServerGone(f"{slot.lane.endpoint.url}: cannot open a client: {exc}"))
+            return
+        for _ in range(conc):
+            self._free.put_nowait(slot)
+
+    async def _take(self) -> _Slot:
+        while True:
+            slot = await self._free.get()
+            if slot is None:
+                self._free.put_nowait(None)  # every other waiter fails too
+                raise ServerGone(f"every server is gone: {self.pool.why_none()}", last_error=self._last_error)
+            if slot.live:
+                return slot
+            # a token of a dropped lane: discarded, so the pool's slots shrink with it
+
+    async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:
+        """Generate on some serving server; a server gone mid-request is dropped and the request
+        goes to another.
+
+        Raises:
+            ServerGone: no server serves and none is coming back (the message says why each went).
+            PromptTooLong, RequestRejected: as ``GenerateClient.generate``.
+        """
+        while True:
+            slot = await self._take()
+            try:
+                res = await slot.client.generate(text, sampling_params, rid)
+            except ServerGone as exc:
+                self._lost(slot, exc)
+                continue
+            except BaseException:
+                self._free.put_nowait(slot)
+                raise
+            self._free.put_nowait(slot)
+            lane = slot.lane
+            lane.rows += 1
+            lane.prompt_tokens += res.prompt_tokens
+            lane.completion_tokens += res.completion_tokens
+            lane.requests = slot.client.stats.requests
+            return res
+
+    def _lost(self, slot: _Slot, exc: ServerGone) -> None:
+        self._last_error = str(exc)
+        if slot.live:
+            slot.live = False
+            slot.lane.requests = slot.client.stats.requests
+            self.pool.drop(slot.lane, str(exc))
+        self._sync()

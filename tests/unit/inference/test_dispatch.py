@@ -1,0 +1,151 @@
+"""Several servers behind one run (tasks.inference ServerPool/Dispatcher) against minimal /generate
+servers on loopback: work spreads over every server, a server that dies costs only its requests in
+flight (no answered row is asked again), a server that joins late gets rows, and a run with no
+server left fails naming why each went."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from emulator.minimal import MinimalServer
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, ServerGone, ServerPool, run_dataset
+from tests.support.emulator import DEMO_MODEL
+from tests.support.inference import FAST_CLIENT, assert_exactly_once, rows_on_disk, write_input
+
+
+class Servers:
+    """Minimal servers on their own event loop thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.started: list[MinimalServer] = []
+
+    def start(self, **kw: object) -> MinimalServer:
+        srv = asyncio.run_coroutine_threadsafe(MinimalServer(**kw).start(), self.loop).result(10)  # type: ignore[arg-type]
+        self.started.append(srv)
+        return srv
+
+    def kill(self, srv: MinimalServer) -> None:
+        self.loop.call_soon_threadsafe(srv.die)
+
+    def close(self) -> None:
+        for srv in self.started:
+            asyncio.run_coroutine_threadsafe(srv.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[Servers]:
+    s = Servers()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _endpoint(srv: MinimalServer, fp: str = "fp") -> Endpoint:
+    return Endpoint(srv.url, fp, alive=lambda: not srv.dead)
+
+
+def _run(inp: Path, out: Path, pool: ServerPool, conc: int = 8, shard: int = 25):
+    return run_dataset(DatasetSpec("ds", inp), out, pool,
+                       InferenceSettings(shard_size=shard, concurrency=conc, client=FAST_CLIENT,
+                                         sampling={"max_new_tokens": 16}, reasoning_parser=None,
+                                         model_dir=DEMO_MODEL))
+
+
+def _sent(servers: list[MinimalServer]) -> Counter[str]:
+    total: Counter[str] = Counter()
+    for s in servers:
+        total.update(s.requests)
+    return total
+
+
+def test_rows_spread_over_every_server_exactly_once(servers: Servers, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 300)
+    srvs = [servers.start(latency_ms=2, slots=4) for _ in range(3)]
+    pool = ServerPool()
+    for i, s in enumerate(srvs):
+        pool.add(f"s{i}", _endpoint(s))
+    result = _run(tmp_path / "in.jsonl", tmp_path / "out", pool, conc=4)
+    assert result.complete and result.rows_generated == 300
+    assert_exactly_once(tmp_path / "out", ids)
+    assert set(_sent(srvs).values()) == {1} and sorted(_sent(srvs)) == sorted(ids)
+    report = {r["server"]: r for r in pool.report()}
+    assert all(report[f"s{i}"]["rows"] == len(srvs[i].requests) > 0 for i in range(3))
+    assert sum(r["rows"] for r in report.values()) == 300
+
+
+def test_a_server_that_dies_costs_only_its_requests_in_flight(servers: Servers, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 400)
+    a, b = servers.start(slots=4, latency_ms=1), servers.start(slots=4, latency_ms=1)
+    dying = servers.start(die_after=60)  # answers at once: every request it counted was answered
+    pool = ServerPool()
+    pool.add("a", _endpoint(a))
+    pool.add("b", _endpoint(b))
+    pool.add("dying", _endpoint(dying), recoverable=False)
+    _run(tmp_path / "in.jsonl", tmp_path / "out", pool)
+    assert_exactly_once(tmp_path / "out", ids)
+    sent = _sent([a, b, dying])
+    assert sorted(sent) == sorted(ids) and set(sent.values()) == {1}  # no answered row sent twice
+    assert sum(dying.requests.values()) == 60
+    report = {r["server"]: r for r in pool.report()}
+    assert report["dying"]["state"] == "lost" and report["dying"]["rows"] == 60
+    assert "stopped answering" in report["dying"]["lost"]
+    assert report["a"]["rows"] + report["b"]["rows"] == 340
+
+
+def test_a_server_that_joins_late_gets_rows(servers: Servers, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 300)
+    first, late = servers.start(slots=2, latency_ms=5), servers.start(slots=8, latency_ms=1)
+    pool = ServerPool()
+    pool.expect("late")
+    pool.add("first", _endpoint(first))
+    threading.Timer(0.2, lambda: pool.add("late", _endpoint(late))).start()
+    _run(tmp_path / "in.jsonl", tmp_path / "out", pool)
+    assert_exactly_once(tmp_path / "out", ids)
+    assert len(late.requests) > 0 and len(first.requests) > 0
+
+
+def test_no_server_left_fails_naming_each_and_keeps_the_rows_done(servers: Servers, tmp_path: Path) -> None:
+    write_input(tmp_path / "in.jsonl", 300)
+    srvs = [servers.start(die_after=40), servers.start(die_after=50)]
+    pool = ServerPool()
+    for i, s in enumerate(srvs):
+        pool.add(f"s{i}", _endpoint(s), recoverable=False)
+    with pytest.raises(ServerGone) as exc:
+        _run(tmp_path / "in.jsonl", tmp_path / "out", pool)
+    assert "every server is gone: s0: " in str(exc.value) and "; s1: " in str(exc.value)
+    assert rows_on_disk(tmp_path / "out") == 90
+
+
+def test_a_dropped_server_waits_for_its_session(servers: Servers, tmp_path: Path) -> None:
+    # The only server dies; its session relaunches it (a new lane): the run waits, then completes.
+    ids = write_input(tmp_path / "in.jsonl", 200)
+    dying, relaunched = servers.start(die_after=30), servers.start()
+    pool = ServerPool()
+    lane = pool.add("s", _endpoint(dying))
+
+    def session() -> None:
+        lane.dropped.wait(30)
+        pool.expect("s", "relaunching")
+        pool.add("s", _endpoint(relaunched))
+
+    t = threading.Thread(target=session)
+    t.start()
+    _run(tmp_path / "in.jsonl", tmp_path / "out", pool)
+    t.join(10)
+    assert_exactly_once(tmp_path / "out", ids)
+    (report,) = pool.report()
+    assert (report["launches"], report["rows"], report["state"]) == (2, 200, "serving")
+    assert set(_sent([dying, relaunched]).values()) == {1}
