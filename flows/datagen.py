@@ -9,20 +9,22 @@ GPU hygiene).
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from collections.abc import Callable
-from functools import partial
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.runtime import flow_run
 
-from flows import runrecord
-from flows.context import RunContext
+from flows import logs, runrecord
+from flows.context import RunContext, unlinked
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.hooks import cleanup_hook
+from flows.params import Backend, MemFraction, PositiveInt, ReasoningParser, documented
 from flows.progress import Progress
 from flows.session import ServerSession
 from flows.stages import (
@@ -34,42 +36,54 @@ from flows.stages import (
     resume_check,
     validate,
 )
+from flows.summary import RunSummary
 from tasks.config import Overrides, PartitionConfig
 from tasks.inference import DatasetSpec
 from tasks.prompts import iter_dataset
 from tasks.shards import OutputDir
+from tasks.validation import ValidationFailed
 
-__all__ = ["datagen"]
+__all__ = ["datagen", "flow_run_name"]
+
+logs.install()
+
+
+def flow_run_name() -> str:
+    """``<partition>-<YYYY-MM-DD>-<HHMM>`` (UTC, the scheduled start): the run list says what ran when."""
+    partition = str(flow_run.parameters.get("partition") or "all")
+    if partition.endswith(".toml"):
+        partition = Path(partition).stem
+    try:
+        when = flow_run.scheduled_start_time.astimezone(UTC)
+    except Exception:  # outside a run, or no time recorded: now
+        when = datetime.now(UTC)
+    return f"{partition}-{when:%Y-%m-%d-%H%M}"
 
 
 @flow(
     name="datagen",
+    flow_run_name=flow_run_name,
     on_failure=[cleanup_hook],
     on_crashed=[cleanup_hook],
     on_cancellation=[cleanup_hook],
     retries=0,
     validate_parameters=True,
 )
+@documented
 def datagen(
     partition: str = "all",
     inputs: list[str] | None = None,
     model_path: str | None = None,
     out: str | None = None,
-    backend: str | None = None,
+    backend: Backend | None = None,
     server_url: str | None = None,
-    shard_size: int | None = None,
-    concurrency: int | None = None,
-    tp_size: int | None = None,
-    mem_fraction_static: float | None = None,
-    reasoning_parser: str | None = None,
+    shard_size: PositiveInt | None = None,
+    concurrency: PositiveInt | None = None,
+    tp_size: PositiveInt | None = None,
+    mem_fraction_static: MemFraction | None = None,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> dict[str, Any]:
-    """Generate a partition's datasets.
-
-    Args:
-        partition: a name in deployments/ or a TOML path.
-        inputs, model_path, out, backend, server_url, shard_size, concurrency, tp_size,
-            mem_fraction_static, reasoning_parser: override the partition config (``tasks.config.Overrides``; see
-            ``datagen run --help``).
+    """Generate a partition's datasets. An empty parameter keeps the partition's value.
 
     Raises:
         ConfigError, OutputLocked, LaunchFailed, ValidationFailed, InputChanged: as named.
@@ -78,31 +92,64 @@ def datagen(
     overrides = Overrides.from_mapping(locals())
     run_id = _flow_run_id()
     cfg = load_config(partition, overrides)
-    ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id)
+    ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id, explicit_fraction=overrides.mem_fraction_static)
     progress = _progress(cfg, run_id)
     output = OutputDir(ctx.plan.out_dir)
+    server = ServerSession(ctx)
+    # unlinked(): every task gets the run's context (and the progress counter) as a constant, not as
+    # an upstream result: the run's graph shows only the data each task depends on.
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": run_id}):
         output.check_intact()  # a missing or changed shard stops the run before a GPU is touched
-        progress.start(*_committed(output))
-        resume_check(ctx)
+        progress.start(_committed(output))
         try:
-            if ctx.launches:
-                _reclaim_dead_runs(ctx)
-            with gpu_slots([ctx.target] if ctx.launches else [], on_lease=_record_lease(run_id),
-                           on_release=lambda: runrecord.update(run_id, lease_released=True),
-                           holders=lambda name: slot_holders(name, exclude=run_id)), \
-                    ServerSession(ctx) as server:
-                health_check(ctx, server.endpoint)
-                for name, path in cfg.datasets.items():
-                    server.run(partial(infer_dataset, ctx, DatasetSpec(name, path), progress=progress))
-        finally:
-            progress.close()
-        report = validate(ctx)
-        latest = promote(ctx.plan)
+            resume_check(unlinked(ctx))
+            try:
+                if ctx.launches:
+                    _reclaim_dead_runs(ctx)
+                with gpu_slots([ctx.target] if ctx.launches else [], on_lease=_record_lease(run_id),
+                               on_release=lambda: runrecord.update(run_id, lease_released=True),
+                               holders=lambda name: slot_holders(name, exclude=run_id)), server:
+                    health_check(unlinked(ctx), server.endpoint)
+                    for name, path in cfg.datasets.items():
+                        server.run(_infer(ctx, DatasetSpec(name, path), progress))
+            except ValidationFailed:
+                validate(unlinked(ctx), raise_on_failure=False)  # the gate stopped the run: publish the report
+                raise
+            report = validate(unlinked(ctx))
+            latest = promote(unlinked(ctx.plan))
+        except BaseException as exc:
+            _finish(ctx, progress, server, None, exc)
+            raise
+    _finish(ctx, progress, server, latest, None)
     return {"partition": cfg.name, "out_dir": str(ctx.plan.out_dir), "latest": latest,
             "shards": progress.done_shards, "rows": progress.rows, "validation": report["summary"]}
 
 
+def _infer(ctx: RunContext, spec: DatasetSpec, progress: Progress) -> Callable[[Any, str], dict[str, Any]]:
+    """The session's work for one dataset: told where the server is and what follows its death."""
+    def work(endpoint: Any, relaunch: str) -> dict[str, Any]:
+        return infer_dataset(unlinked(ctx), spec, endpoint, unlinked(progress), relaunch=relaunch)
+
+    return work
+
+
+def _finish(ctx: RunContext, progress: Progress, server: ServerSession, latest: str | None,
+            error: BaseException | None) -> None:
+    """End the progress artifact (done or failed) and publish the run summary; never raises."""
+    logger = get_run_logger()
+    name = type(error).__name__ if error is not None else ""
+    progress.close("failed" if error is not None else "done", name)
+    verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
+    reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""
+    summary = RunSummary.of(progress, verdict=verdict, out_dir=str(ctx.plan.out_dir), latest=latest,
+                            gpus=len(ctx.gpus), held_s=server.held_s, relaunches=server.relaunches,
+                            max_relaunches=ctx.cfg.max_relaunches, price=ctx.cfg.price_per_gpu_hour, reason=reason)
+    runrecord.update(ctx.run_id, summary=summary.to_dict())
+    try:
+        summary.publish()
+    except Exception as exc:  # observability must never fail the run
+        logger.warning("run summary artifact not created: %s", exc)
+    logger.info("%s", summary.headline())
 def _record_lease(run_id: str | None) -> Callable[[str], None]:
     """``on_lease`` of gpu_slots: the lease and the process holding it, in the run record."""
     def record(lease: str) -> None:
@@ -134,13 +181,18 @@ def _flow_run_id() -> str | None:
 
 
 def _progress(cfg: PartitionConfig, run_id: str | None) -> Progress:
-    total = 0
-    for name, path in cfg.datasets.items():
-        n = sum(1 for _ in iter_dataset(path, name))  # rejects count: shard k is a fixed input slice
-        total += max(1, math.ceil(n / cfg.shard_size))
-    return Progress(partition=cfg.name, total_shards=total, logger=get_run_logger(), flow_run_id=run_id)
+    # rejects count: shard k is a fixed input slice
+    rows = {name: sum(1 for _ in iter_dataset(path, name)) for name, path in cfg.datasets.items()}
+    return Progress(partition=cfg.name, datasets=rows, shard_size=cfg.shard_size, concurrency=cfg.concurrency,
+                    logger=get_run_logger(), flow_run_id=run_id)
 
 
-def _committed(output: OutputDir) -> tuple[int, int]:
-    shards = list(output.committed_shards()) if output.read_manifest() else []
-    return len(shards), sum(int(getattr(s, "rows", 0)) for s in shards)
+def _committed(output: OutputDir) -> dict[str, tuple[int, int, int]]:
+    """Each dataset's committed shards, rows and rejects, as the output holds them."""
+    if not output.read_manifest():
+        return {}
+    found: dict[str, tuple[int, int, int]] = {}
+    for s in output.committed_shards():
+        shards, rows, rejects = found.get(s.dataset, (0, 0, 0))
+        found[s.dataset] = (shards + 1, rows + s.rows, rejects + s.rejects)
+    return found

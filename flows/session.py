@@ -2,7 +2,7 @@
 
 ``ServerSession(ctx)`` is a context manager. On entry it runs the before-launch GPU hygiene and
 launches the server with the tuned memory fraction (or, for a shared server given as
-``run.server_url``, does neither and asks the server who it is: the rows' fingerprint). ``run(work)`` calls ``work(endpoint)`` under the hang watchdog;
+``run.server_url``, does neither and asks the server who it is: the rows' fingerprint). ``run(work)`` calls ``work(endpoint, next_relaunch)`` under the hang watchdog;
 when the server dies or hangs (``ServerGone``) it diagnoses the log (a runtime OOM is recorded so
 the relaunch starts lower), stops the server, cleans its GPUs, relaunches, and calls ``work``
 again: inference resumes from the committed shards and journals. ``run.max_relaunches`` is one
@@ -13,16 +13,17 @@ the server is stopped whatever happened.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self, TypeVar
 
 from prefect import get_run_logger
 
-from flows.context import RunContext
+from flows.context import RunContext, unlinked
 from flows.retry import needs_relaunch
 from flows.stages import diagnose_server, hygiene, identify_server, launch_server, stop
-from tasks.inference import Endpoint
+from tasks.inference import Endpoint, ServerGone
 from tasks.server import HangWatchdog, ServerHandle
 
 __all__ = ["ServerSession"]
@@ -42,18 +43,34 @@ class ServerSession:
         self.handle: ServerHandle | None = None
         self.relaunches = 0
         self.fingerprint = ctx.fingerprint
+        self._entered: float | None = None
+        self._exited: float | None = None
+
+    @property
+    def held_s(self) -> float | None:
+        """How long the session held its GPUs (hygiene, launches, relaunches, stop); None for a
+        shared server, whose GPUs are not the run's."""
+        if not self.ctx.launches or self._entered is None:
+            return None
+        return (self._exited or time.monotonic()) - self._entered
 
     def __enter__(self) -> Self:
+        self._entered = time.monotonic()
+        # unlinked(): the run's context is every task's input, not an upstream result of each (the
+        # run's graph shows the data each task really takes: the launch's handle for the stop).
         if self.ctx.launches:
-            hygiene(self.ctx, "before-launch")
-            self.handle = launch_server(self.ctx)
+            hygiene(unlinked(self.ctx), "before-launch")
+            self.handle = launch_server(unlinked(self.ctx))
         else:
-            self.fingerprint = identify_server(self.ctx)
+            self.fingerprint = identify_server(unlinked(self.ctx))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._stop()
+        try:
+            self._stop()
+        finally:
+            self._exited = time.monotonic()
 
     @property
     def endpoint(self) -> Endpoint:
@@ -65,8 +82,16 @@ class ServerSession:
             return Endpoint(cfg.server_url, self.fingerprint, cfg.api_key())
         return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.is_alive)
 
-    def run(self, work: Callable[[Endpoint], T]) -> T:
-        """``work(endpoint)`` until it returns, relaunching the server when it is gone.
+    @property
+    def next_relaunch(self) -> str:
+        """What follows if the server dies now: "relaunch k/N", or "" (no budget left, or shared)."""
+        budget = self.ctx.cfg.max_relaunches
+        if self.handle is None or self.relaunches >= budget:
+            return ""
+        return f"relaunch {self.relaunches + 1}/{budget}"
+
+    def run(self, work: Callable[[Endpoint, str], T]) -> T:
+        """``work(endpoint, next_relaunch)`` until it returns, relaunching the server when it is gone.
 
         Raises:
             ServerGone: the server is gone and the relaunch budget is spent (or the server is shared).
@@ -75,10 +100,12 @@ class ServerSession:
         while True:
             try:
                 with self._watchdog():
-                    return work(self.endpoint)
+                    return work(self.endpoint, self.next_relaunch)
             except Exception as exc:
-                if not (needs_relaunch(exc) and self.handle is not None
-                        and self.relaunches < self.ctx.cfg.max_relaunches):
+                if not (needs_relaunch(exc) and self.next_relaunch):
+                    if isinstance(exc, ServerGone) and self.handle is not None:
+                        get_run_logger().warning("relaunch budget spent: %d of %d used (run.max_relaunches)",
+                                                 self.relaunches, self.ctx.cfg.max_relaunches)
                     raise
             self._relaunch()
 
@@ -90,12 +117,14 @@ class ServerSession:
     def _relaunch(self) -> None:
         assert self.handle is not None
         self.relaunches += 1
-        diagnose_server(self.ctx, self.handle)
+        gone = self.handle
+        kind = diagnose_server(unlinked(self.ctx), gone)
+        reason = f"a runtime OOM at {gone.fraction}" if kind == "too_high" else f"the server died ({kind})"
         self._stop()
-        hygiene(self.ctx, f"relaunch-{self.relaunches}")
-        self.handle = launch_server(self.ctx)
+        hygiene(unlinked(self.ctx), f"relaunch-{self.relaunches}")
+        self.handle = launch_server(unlinked(self.ctx), attempt=self.relaunches + 1, reason=reason)
 
     def _stop(self) -> None:
         if self.handle is not None:
-            stop(self.ctx, self.handle)
+            stop(unlinked(self.ctx), self.handle)
             self.handle = None

@@ -160,6 +160,7 @@ class PartitionConfig:
     server_url: str | None = None
     hygiene_grace_s: float = 10.0
     hang_timeout_s: float = 120.0
+    price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
 
     @property
     def targets(self) -> tuple[str, ...]:

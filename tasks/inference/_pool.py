@@ -34,7 +34,8 @@ class _OpenShard:
     """Counters of a shard being filled; its rows live only in the journal."""
 
     __slots__ = ("index", "journal", "done_ids", "done_pos", "accounted", "expected", "generated",
-                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing")
+                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing",
+                 "latencies")
 
     def __init__(self, index: int, journal: Journal, done_ids: set[str], done_pos: set[int]) -> None:
         self.index = index
@@ -50,6 +51,7 @@ class _OpenShard:
         self.completion_tokens = 0
         self.started = time.monotonic()
         self.committing = False
+        self.latencies: list[float] = []  # of the rows generated in this run (the ETA's distribution)
 
 
 @dataclass
@@ -148,10 +150,7 @@ class InferencePool:
                 f"shard {shard.index} of {self.spec.name}: journal holds {len(rows)} rows + "
                 f"{len(rejects)} rejects, expected {shard.expected} (journal {shard.journal.path})"
             )
-        record = self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
-        if self.on_shard_committed is not None:
-            self.on_shard_committed(record)
-        return record
+        return self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
 
     async def _after_commit(self, shard: _OpenShard, fut: asyncio.Future[ShardRecord]) -> None:
         record = await fut
@@ -161,6 +160,9 @@ class InferencePool:
         self.rows_committed += record.rows + record.rejects
         if self.progress is not None:
             self.progress(self._progress(shard, record))
+        if self.on_shard_committed is not None:
+            # After the progress report: a shard the gate stops on is committed, and counted.
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.on_shard_committed, record)
 
     def _progress(self, shard: _OpenShard, record: ShardRecord) -> ShardProgress:
         elapsed = max(1e-9, time.monotonic() - shard.started)
@@ -180,6 +182,7 @@ class InferencePool:
             tokens_per_s=shard.completion_tokens / elapsed, retries=retries,
             shards_committed=len(self.committed), shards_total=shards_total,
             dataset_rows_done=done, dataset_rows_total=total, eta_s=eta,
+            latencies_s=tuple(shard.latencies),
         )
 
     def _close_slice(self, index: int, expected: int, tg: asyncio.TaskGroup) -> None:
@@ -275,6 +278,7 @@ class InferencePool:
             shard.generated += 1
             shard.prompt_tokens += res.prompt_tokens
             shard.completion_tokens += res.completion_tokens
+            shard.latencies.append(res.latency_s)
             self.result.rows_generated += 1
             self.result.prompt_tokens += res.prompt_tokens
             self.result.completion_tokens += res.completion_tokens

@@ -191,3 +191,11 @@ def resplit_command(ctx: Context, parser: str = "NAME") -> str:
     """The command that re-splits the output (the user picks the parser NAME unless it is known)."""
     out_dir = ctx.out_dir if " " not in ctx.out_dir else f"'{ctx.out_dir}'"
     return f"`datagen resplit {out_dir} --parser {parser}`"
+
+
+def fix_parser(choices: str = "") -> str:
+    """Advice to set the reasoning parser, naming where: the CLI flag, the flow parameter (the
+    Prefect UI's custom run) and the partition key; ``choices``: the parsers that fit, if known."""
+    fits = f" to {choices}" if choices else ""
+    return (f"fix the reasoning parser{fits} (--reasoning-parser; in the Prefect UI the reasoning_parser "
+            "parameter; in the partition [model] reasoning_parser)")
