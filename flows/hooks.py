@@ -21,6 +21,7 @@ from prefect.logging.loggers import flow_run_logger
 from flows import runrecord
 from flows.gpulimit import host_of, release_lease
 from tasks.config import load_partition
+from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import clean_gpus
 
 __all__ = ["cleanup_hook"]
@@ -74,6 +75,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         )
         try:
             report = clean_gpus(target=target, gpus=list(gpus), grace_s=grace, extra_pids=pids)
+            report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # the run said it once
             summary = report.summary()
             verdict = report.verdict
         except Exception as exc:

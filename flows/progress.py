@@ -190,7 +190,7 @@ class Progress:
             c.completion_tokens += p.completion_tokens
             self.shards_new += 1
             assert self.eta is not None
-            self.eta.observe(p.latencies_s)
+            self.eta.observe(self.elapsed_s, p.rows_generated, p.latencies_s)
             text = self.describe(p.dataset, p.shard)
             pct = self._percent()
         self.logger.info("progress %s", text)
