@@ -22,6 +22,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.context import FlowRunContext, TaskRunContext
 
 from flows.eta import Eta, EtaInputs
 from tasks.inference import ShardProgress
@@ -133,6 +134,8 @@ class Progress:
                 c = self.counts[name]
                 c.shards, c.rows, c.rejects = shards, rows, rejects
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-progress")
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            return  # not in a run (a test, a script): the log lines only
         try:
             self._artifact = create_progress_artifact(  # type: ignore[assignment]
                 self._percent(), key=artifact_key("datagen-progress", self.partition),

@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self, TypeVar
+from uuid import UUID
 
 from prefect import get_run_logger
+from prefect.client.orchestration import get_client
 
 from flows.context import RunContext, unlinked
 from flows.retry import needs_relaunch
@@ -26,9 +28,23 @@ from flows.stages import diagnose_server, hygiene, identify_server, launch_serve
 from tasks.inference import Endpoint, ServerGone
 from tasks.server import HangWatchdog, ServerHandle
 
-__all__ = ["ServerSession"]
+__all__ = ["RELAUNCHED_TAG", "ServerSession"]
 
 T = TypeVar("T")
+RELAUNCHED_TAG = "relaunched"  # on the flow run: the run list tells a relaunched run from a clean one
+
+
+def _tag_run(run_id: str | None, tag: str) -> None:
+    """Add ``tag`` to the flow run's tags (never raises: observability must not fail the run)."""
+    if not run_id:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            tags = list(client.read_flow_run(UUID(run_id)).tags or [])
+            if tag not in tags:
+                client.update_flow_run(UUID(run_id), tags=[*tags, tag])
+    except Exception as exc:
+        get_run_logger().warning("flow run not tagged %r: %s", tag, exc)
 
 
 class ServerSession:
@@ -56,8 +72,9 @@ class ServerSession:
 
     def __enter__(self) -> Self:
         self._entered = time.monotonic()
-        # unlinked(): the run's context is every task's input, not an upstream result of each (the
-        # run's graph shows the data each task really takes: the launch's handle for the stop).
+        # unlinked(): the run's context (and a handle, whose fields hold the config's strings) is
+        # no upstream result of each task: the run's graph shows the launch feeding the endpoint's
+        # users (health check, inference) and nothing that crosses it.
         if self.ctx.launches:
             hygiene(unlinked(self.ctx), "before-launch")
             self.handle = launch_server(unlinked(self.ctx))
@@ -117,8 +134,9 @@ class ServerSession:
     def _relaunch(self) -> None:
         assert self.handle is not None
         self.relaunches += 1
+        _tag_run(self.ctx.run_id, RELAUNCHED_TAG)
         gone = self.handle
-        kind = diagnose_server(unlinked(self.ctx), gone)
+        kind = diagnose_server(unlinked(self.ctx), unlinked(gone))
         reason = f"a runtime OOM at {gone.fraction}" if kind == "too_high" else f"the server died ({kind})"
         self._stop()
         hygiene(unlinked(self.ctx), f"relaunch-{self.relaunches}")
@@ -126,5 +144,5 @@ class ServerSession:
 
     def _stop(self) -> None:
         if self.handle is not None:
-            stop(unlinked(self.ctx), self.handle)
+            stop(unlinked(self.ctx), unlinked(self.handle))
             self.handle = None

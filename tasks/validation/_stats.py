@@ -194,8 +194,9 @@ def resplit_command(ctx: Context, parser: str = "NAME") -> str:
 
 
 def fix_parser(choices: str = "") -> str:
-    """Advice to set the reasoning parser, naming where: the CLI flag, the flow parameter (the
-    Prefect UI's custom run) and the partition key; ``choices``: the parsers that fit, if known."""
-    fits = f" to {choices}" if choices else ""
-    return (f"fix the reasoning parser{fits} (--reasoning-parser; in the Prefect UI the reasoning_parser "
-            "parameter; in the partition [model] reasoning_parser)")
+    """Advice to set the reasoning parser, naming each place to set it: the CLI flag, the flow
+    parameter (a custom run in the Prefect UI) and the partition key; ``choices``: the parsers
+    that fit, if known."""
+    fits = f"one of {choices}; " if choices else ""
+    return (f"fix the reasoning parser ({fits}set by --reasoning-parser, the reasoning_parser flow parameter in "
+            "the Prefect UI or [model] reasoning_parser in the partition)")

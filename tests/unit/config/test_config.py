@@ -73,6 +73,7 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[server]\ntp_szie = 2\n", "server.tp_szie", "unknown key"),
         (BASE + "[run]\nshard_size = 0\n", "run.shard_size", "not a positive integer"),
         (BASE + "[run]\nconcurrency = true\n", "run.concurrency", "not a positive integer"),
+        (BASE + "[run]\nprice_per_gpu_hour = -2\n", "run.price_per_gpu_hour", "not a non-negative number"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file
         (BASE + "[sim_gpus]\ncount = 2\n", "sim_gpus", "need server.backend"),
         (BASE + "[output]\nversioned = 1\n", "output.versioned", "true or false"),
@@ -89,6 +90,11 @@ def test_invalid_configs_name_file_and_key(tmp_path: Path, body: str, key: str, 
     assert msg.startswith(str(f.resolve()) if "cannot read" not in msg else str(f))
     if fragment:
         assert f"{key}: " in msg and fragment in msg
+
+
+def test_price_per_gpu_hour_is_optional(tmp_path: Path) -> None:
+    assert load_partition(_write(tmp_path, BASE)).price_per_gpu_hour is None
+    assert load_partition(_write(tmp_path, BASE + "[run]\nprice_per_gpu_hour = 2.5\n")).price_per_gpu_hour == 2.5
 
 
 def test_unknown_partition_lists_known_ones() -> None:
