@@ -341,14 +341,16 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
         if entry is not None:
             logger.warning("recorded runtime OOM at fraction %s on %s: the relaunch starts lower",
                            entry.runtime_oom_at, ctx.host)
-    _mark_launch_died(getattr(ctx, "run_id", None), handle.pid, f"exit {status}: {failure.kind}: {failure.explanation}")
+    run_id = getattr(ctx, "run_id", None)
+    if run_id:
+        _mark_launch_died(run_id, handle.pid, f"exit {status}: {failure.kind}: {failure.explanation}")
     return str(failure.kind)
 
 
-def _mark_launch_died(run_id: str | None, pid: int, why: str) -> None:
+def _mark_launch_died(run_id: str, pid: int, why: str) -> None:
     """Rewrite the launch artifact of the server ``pid`` to lead with its death (the run record
     keeps the artifact's id and text)."""
-    entry = next((s for s in runrecord.read(run_id).get("servers", []) if s.get("pid") == pid), None) if run_id else None
+    entry = next((s for s in runrecord.read(run_id).get("servers", []) if s.get("pid") == pid), None)
     if not entry or not entry.get("artifact"):
         return
     text = f"**DIED** during the run ({why}); the server was relaunched or the run stopped.\n\n" + entry["artifact_text"]
