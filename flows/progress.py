@@ -97,30 +97,17 @@ class Progress:
                        for name, n in self.datasets.items()}
         self.eta = Eta(self.concurrency)
 
-    # totals ------------------------------------------------------------------------------------
-    @property
-    def total_shards(self) -> int:
-        return sum(c.shards_total for c in self.counts.values())
+    # totals over the datasets ------------------------------------------------------------------
+    def total(self, counter: str) -> int:
+        """The sum of one ``DatasetCounts`` field over the datasets."""
+        return sum(int(getattr(c, counter)) for c in self.counts.values())
 
-    @property
-    def done_shards(self) -> int:
-        return sum(c.shards for c in self.counts.values())
-
-    @property
-    def rows(self) -> int:
-        return sum(c.rows for c in self.counts.values())
-
-    @property
-    def rows_new(self) -> int:
-        return sum(c.rows_new for c in self.counts.values())
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(c.prompt_tokens for c in self.counts.values())
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.counts.values())
+    total_shards = property(lambda self: self.total("shards_total"))
+    done_shards = property(lambda self: self.total("shards"))
+    rows = property(lambda self: self.total("rows"))
+    rows_new = property(lambda self: self.total("rows_new"))
+    prompt_tokens = property(lambda self: self.total("prompt_tokens"))
+    completion_tokens = property(lambda self: self.total("completion_tokens"))
 
     @property
     def elapsed_s(self) -> float:
@@ -165,7 +152,7 @@ class Progress:
         tok_rate = self.completion_tokens / self.elapsed_s
         tokens = (f"tokens {_k(self.prompt_tokens)} in / {_k(self.completion_tokens)} out "
                   f"({tok_rate:,.0f} out/s)")
-        rejects = sum(c.rejects for c in self.counts.values())
+        rejects = self.total("rejects")
         counts = (f"{self.done_shards}/{self.total_shards} shards, {self.rows + rejects}/{rows_total} rows ({per})"
                   + (f", {rejects} rejected" if rejects else ""))
         if self.state == "done":
