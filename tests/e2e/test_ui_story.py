@@ -169,6 +169,7 @@ def test_a_run_the_shard_gate_stops_publishes_its_validation_reports_and_counts_
     assert progress.startswith("uigate: FAILED (ValidationFailed) after ")
     assert f"{committed}/3 shards, {committed * 20}/60 rows" in progress
     assert arts["run-summary-uigate"]["description"].startswith("FAIL: uigate: ")
+    assert arts["hygiene-cleanup-uigate"]["description"] == "CLEAN: GPU hygiene after Failed (uigate)"
 
     logs = api.logs(run_id)
     text = "\n".join(log["message"] for log in logs)
