@@ -4,7 +4,9 @@ gate per committed shard) -> validate the output -> (nightly) promote `latest`.
 Each line of the body calls a stage task (flows/stages.py), enters the server session
 (flows/session.py) or holds a lock: the output's `_lock`, then `gpu:<host>` while a server lives.
 Recovery, the run records and the hygiene scope are in the README's Decisions (Flow, Run records,
-GPU hygiene).
+GPU hygiene). Whatever the outcome, the run ends its progress artifact (done or failed) and
+publishes its summary (flows/summary.py); the flow's parameters are typed and described for
+Prefect's custom-run form in flows/params.py.
 """
 
 from __future__ import annotations
@@ -144,10 +146,10 @@ def _finish(ctx: RunContext, progress: Progress, server: ServerSession, latest: 
     summary = RunSummary.of(progress, verdict=verdict, out_dir=str(ctx.plan.out_dir), latest=latest,
                             gpus=len(ctx.gpus), held_s=server.held_s, relaunches=server.relaunches,
                             max_relaunches=ctx.cfg.max_relaunches, price=ctx.cfg.price_per_gpu_hour, reason=reason)
-    runrecord.update(ctx.run_id, summary=summary.to_dict())
     try:
+        runrecord.update(ctx.run_id, summary=summary.to_dict())
         summary.publish()
-    except Exception as exc:  # observability must never fail the run
+    except Exception as exc:  # observability must never fail the run (nor hide its error)
         logger.warning("run summary artifact not created: %s", exc)
     logger.info("%s", summary.headline())
 def _record_lease(run_id: str | None) -> Callable[[str], None]:
