@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-prefill-us-per-token", type=float, default=5.0)
     e.add_argument("--emu-decode-ms-per-step", type=float, default=2.0)
     e.add_argument("--emu-output-tokens", type=int, default=96)
+    e.add_argument("--emu-output-sigma", type=float, default=0.0,
+                   help="log-normal sigma of output lengths (same mean; 0: uniform 0.5x..1.5x)")
     e.add_argument("--emu-seed", type=int, default=0)
     e.add_argument("--emu-health-timeout", type=float, default=20.0)
     e.add_argument("--emu-host-mem-gib", type=float, default=None)

@@ -236,6 +236,7 @@ def _make_req(
         fmt,
         seed=int(st.args.emu_seed),
         mean_tokens=int(st.args.emu_output_tokens),
+        length_sigma=float(st.args.emu_output_sigma),
         max_new_tokens=mnt,
         stop=[s for s in stop if isinstance(s, str)],
         eos_token_id=st.model.eos_token_id,

@@ -7,6 +7,7 @@ count_tokens(text)`` for every answer (README, "Output text and tokenizer").
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def generate(
     eos_token_id: int,
     opened: bool = False,
     closed: bool = False,
+    length_sigma: float = 0.0,
 ) -> Output:
     """The deterministic answer to ``prompt_key``.
 
@@ -158,9 +160,16 @@ def generate(
         eos_token_id: reported as the matched stop when the answer ends on its own.
         opened: the prompt ends with the start tag, so the output starts mid-reasoning.
         closed: the prompt holds an empty think block, so the output is content only.
+        length_sigma: 0: lengths uniform in 0.5x..1.5x the mean; above 0: log-normal with this
+            sigma and the same mean, a long tail of outputs as reasoning models write them.
     """
     rng = random.Random(_seed((prompt_key, seed)))
-    total = max(4, int(mean_tokens * (0.5 + rng.random())))
+    if length_sigma > 0:
+        # exp(N(mu, sigma)) has mean exp(mu + sigma^2 / 2): mu keeps the configured mean
+        mu = math.log(max(1, mean_tokens)) - length_sigma ** 2 / 2
+        total = max(4, int(math.exp(rng.gauss(mu, length_sigma))))
+    else:
+        total = max(4, int(mean_tokens * (0.5 + rng.random())))
     tokens: list[str] = []
     if fmt.start and not closed:
         n_reason = max(2, int(total * 0.6))

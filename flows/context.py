@@ -9,13 +9,25 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
+
+from prefect.utilities.annotations import quote
 
 from flows.gpulimit import host_of
 from tasks.config import PartitionConfig
 from tasks.inference import InferenceSettings, TruncationPolicy
 from tasks.reasoning import parser_for_model
 
-__all__ = ["RunContext", "RunPlan"]
+__all__ = ["RunContext", "RunPlan", "unlinked"]
+
+T = TypeVar("T")
+
+
+def unlinked(value: T) -> T:
+    """``value`` as a task argument the run's graph draws no edge for (Prefect's ``quote``): the
+    run's context goes to every task, and an edge from the tasks that made its parts to each of
+    them would tangle the graph. The task receives ``value`` itself."""
+    return cast(T, quote(value))
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,8 @@ class RunContext:
         parser: the reasoning parser (None: no split).
         fingerprint: the rows' ``server`` column of a launched server (``PartitionConfig.server_fingerprint``;
             a shared server's is asked of the server by the server session).
+        explicit_fraction: ``mem_fraction_static`` given for this run (a flow parameter or
+            ``--mem-fraction-static``): the first launch uses it whatever the tuner remembers.
     """
 
     cfg: PartitionConfig
@@ -53,13 +67,16 @@ class RunContext:
     gpus: tuple[int, ...]
     parser: str | None
     fingerprint: str
+    explicit_fraction: float | None = None
 
     @classmethod
-    def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None) -> RunContext:
+    def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None,
+              explicit_fraction: float | None = None) -> RunContext:
         """The context of a run of ``cfg`` into ``plan``."""
         target = cfg.targets[0]
         return cls(cfg=cfg, plan=plan, run_id=run_id, target=target, host=host_of(target),
-                   gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint())
+                   gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint(),
+                   explicit_fraction=explicit_fraction)
 
     def for_server(self, cfg: PartitionConfig) -> RunContext:
         """The context of one server of the run: ``cfg`` is ``self.cfg.for_server(slot)`` (a

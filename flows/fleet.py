@@ -58,6 +58,8 @@ class Fleet:
         self.errors: dict[str, BaseException] = {}  # servers that never became ready
         self.left: dict[str, str] = {}  # servers that could not be stopped
         self.closing = threading.Event()
+        self.relaunched: dict[str, int] = {}  # relaunches per server, once its session ended
+        self.gpu_seconds: dict[str, float] = {}  # GPUs x time held per launched server
         self.members: list[tuple[str, RunContext]] = []
         cfg = ctx.cfg
         if ctx.launches:
@@ -172,7 +174,7 @@ def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
     try:
         while True:
             try:
-                _bring_up(ctx, session)
+                _bring_up(ctx, session, why)
             except Exception as exc:
                 lost_host = ctx.launches and not reachable(ctx.target)
                 unreachable_launch = unreachable_launch or lost_host
@@ -217,15 +219,19 @@ def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
             pool.expect(name, "relaunching")
     finally:
         _end(ctx, name, session, fleet, unreachable_launch)
+        fleet.relaunched[name] = session.relaunches
+        if session.held_s is not None:
+            fleet.gpu_seconds[name] = session.held_s * len(ctx.gpus)
 
 
-def _bring_up(ctx: RunContext, session: ServerSession) -> None:
-    """Launch the session's server (clean GPUs first), or relaunch it when one is known, and check
-    that it generates."""
+def _bring_up(ctx: RunContext, session: ServerSession, why: str) -> None:
+    """Launch the session's server (clean GPUs first), or relaunch it when one is known (``why``:
+    why it was dropped), and check that it generates."""
     if session.handle is None:
         session.start()
     else:
-        session.relaunch(diagnose=False)
+        oom = why == "died (too_high)"
+        session.relaunch(diagnose=False, reason=f"a runtime OOM at {session.handle.fraction}" if oom else why)
     health_check(ctx, session.endpoint)
 
 

@@ -12,6 +12,7 @@ that is SIGKILLed gets no hook at all: the next run's first task is hygiene anyw
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from prefect.client.orchestration import get_client
@@ -20,7 +21,9 @@ from prefect.logging.loggers import flow_run_logger
 
 from flows import runrecord
 from flows.gpulimit import host_of, release_lease
+from flows.progress import artifact_key
 from tasks.config import load_partition
+from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import clean_gpus
 
 __all__ = ["cleanup_hook"]
@@ -76,6 +79,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
             # Each target's own servers' GPUs when recorded (several servers per run), else the run's.
             mine = (record.get("target_gpus") or {}).get(target, gpus)
             report = clean_gpus(target=target, gpus=list(mine), grace_s=grace, extra_pids=pids)
+            report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # the run said it once
             summary = report.summary()
             verdict = report.verdict
         except Exception as exc:
@@ -89,17 +93,21 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         released = release_lease(lease)
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
-    _artifact(flow_run.id, "\n".join(lines), logger)
+    partition = str(record.get("partition") or Path(str(params.get("partition", "all"))).stem)
+    verdicts = [ln.rsplit(": ", 1)[-1] for ln in lines if ln.startswith("## ")]
+    verdict = "CLEAN" if verdicts and all(v == "clean" for v in verdicts) else "NOT CLEAN" if verdicts else "NOTHING"
+    _artifact(flow_run.id, "\n".join(lines), logger, key=artifact_key("hygiene-cleanup", partition),
+              description=f"{verdict}: GPU hygiene after {state.name} ({partition})")
     # lease_released: the next run on this host need not try it again (runrecord.release_dead_leases).
     runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease and released else {}))
 
 
-def _artifact(flow_run_id: Any, markdown: str, logger: Any) -> None:
+def _artifact(flow_run_id: Any, markdown: str, logger: Any, key: str, description: str) -> None:
     try:
         with get_client(sync_client=True) as client:
             client.create_artifact(
-                ArtifactCreate(key="hygiene-cleanup-hook", type="markdown", data=markdown,
-                               description="GPU hygiene run by the state hook", flow_run_id=flow_run_id)
+                ArtifactCreate(key=key, type="markdown", data=markdown, description=description,
+                               flow_run_id=flow_run_id)
             )
     except Exception as exc:
         logger.warning("cleanup artifact not created: %s", exc)

@@ -1,5 +1,7 @@
 """Per-run progress: one Prefect progress artifact updated per committed shard, plus a log line.
 
+The artifact says shards and rows done (per dataset), rows/s, prompt and completion tokens and
+tokens/s of this run, and an ETA (flows.eta); ``close`` gives it its end state, done or failed.
 Shard commits are reported from inside the inference task (possibly from its event-loop thread),
 so API calls go through a one-thread executor with the caller's context copied: the artifact is
 updated in order, and a slow API never stalls generation.
@@ -9,54 +11,118 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import re
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.context import FlowRunContext, TaskRunContext
 
-__all__ = ["Progress", "artifact_key"]
+from flows.eta import Eta, EtaInputs
+from tasks.inference import ShardProgress
+
+__all__ = ["DatasetCounts", "Progress", "artifact_key", "fmt_duration"]
 
 
 def artifact_key(*parts: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower())).strip("-")
 
 
-def _fmt_eta(seconds: float | None) -> str:
+def fmt_duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s``; ``?`` when unknown."""
     if seconds is None:
         return "?"
-    seconds = int(seconds)
+    seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _k(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
+
+
+@dataclass
+class DatasetCounts:
+    """One dataset's counts: committed in the output (``rows``, ``shards``) and made by this run."""
+
+    rows_total: int  # input records, rejects included
+    shards_total: int
+    rows: int = 0
+    rejects: int = 0
+    shards: int = 0
+    rows_new: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
 @dataclass
 class Progress:
-    """Counts shards and rows across the partition's datasets."""
+    """Counts shards, rows and tokens across the partition's datasets.
+
+    Args:
+        partition: the run's partition (the artifact key's end).
+        datasets: each dataset's input records (rejects included: shard k is a fixed slice).
+        shard_size: rows per shard.
+        concurrency: requests in flight (the ETA's model).
+        logger: where the progress lines go.
+    """
 
     partition: str
-    total_shards: int
+    datasets: Mapping[str, int]
+    shard_size: int
+    concurrency: int
     logger: logging.Logger | logging.LoggerAdapter[Any]
-    done_shards: int = 0
-    rows: int = 0
-    tokens: int = 0
-    started: float = field(default_factory=time.monotonic)
     flow_run_id: str | None = None
-    skipped_shards: int = 0  # committed by an earlier run (resume): not counted in the rate
+    counts: dict[str, DatasetCounts] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    state: str = "running"  # running | done | failed
+    why: str = ""
+    shards_new: int = 0  # committed by this run (the others were resumed)
+    eta: Eta | None = None
     _artifact: UUID | None = None
     _pool: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, already_committed: int, already_rows: int) -> None:
-        self.done_shards = self.skipped_shards = already_committed
-        self.rows = already_rows
+    def __post_init__(self) -> None:
+        self.counts = {name: DatasetCounts(n, max(1, math.ceil(n / self.shard_size)))
+                       for name, n in self.datasets.items()}
+        self.eta = Eta(self.concurrency)
+
+    # totals over the datasets ------------------------------------------------------------------
+    def total(self, counter: str) -> int:
+        """The sum of one ``DatasetCounts`` field over the datasets."""
+        return sum(int(getattr(c, counter)) for c in self.counts.values())
+
+    total_shards = property(lambda self: self.total("shards_total"))
+    done_shards = property(lambda self: self.total("shards"))
+    rows = property(lambda self: self.total("rows"))
+    rows_new = property(lambda self: self.total("rows_new"))
+    prompt_tokens = property(lambda self: self.total("prompt_tokens"))
+    completion_tokens = property(lambda self: self.total("completion_tokens"))
+
+    @property
+    def elapsed_s(self) -> float:
+        return max((self.ended or time.monotonic()) - self.started, 1e-6)
+
+    def start(self, committed: Mapping[str, tuple[int, int, int]]) -> None:
+        """Count what the output already holds (``dataset -> (shards, rows, rejects)``) and create
+        the artifact."""
+        for name, (shards, rows, rejects) in committed.items():
+            if name in self.counts:
+                c = self.counts[name]
+                c.shards, c.rows, c.rejects = shards, rows, rejects
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datagen-progress")
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            return  # not in a run (a test, a script): the log lines only
         try:
             self._artifact = create_progress_artifact(  # type: ignore[assignment]
                 self._percent(), key=artifact_key("datagen-progress", self.partition),
@@ -68,33 +134,74 @@ class Progress:
     def _percent(self) -> float:
         return 100.0 * self.done_shards / self.total_shards if self.total_shards else 100.0
 
-    def describe(self, dataset: str = "", shard: int | None = None) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-6)
-        new_shards = self.done_shards - self.skipped_shards
-        rate = self.tokens / elapsed
-        eta = (elapsed / new_shards) * (self.total_shards - self.done_shards) if new_shards else None
-        where = f" last {dataset} shard {shard}" if dataset and shard is not None else ""
-        return (
-            f"{self.partition}: {self.done_shards}/{self.total_shards} shards, {self.rows} rows, "
-            f"{rate:.0f} tokens/s, ETA {_fmt_eta(eta)}{where}"
-        )
+    def remaining_s(self) -> float | None:
+        """The ETA (flows.eta), 0 when everything is committed."""
+        assert self.eta is not None
+        left = [c for c in self.counts.values() if c.shards < c.shards_total]
+        x = EtaInputs(elapsed_s=self.elapsed_s, rows_new=self.rows_new, shards_new=self.shards_new,
+                      shards_left=sum(c.shards_total - c.shards for c in left),
+                      rows_left=sum(max(0, c.rows_total - c.rows - c.rejects) for c in left),
+                      datasets_left=len(left))
+        return self.eta.remaining_s(x)
 
-    def shard_committed(self, dataset: str, shard: int, rows: int, completion_tokens: int) -> None:
+    def describe(self, dataset: str = "", shard: int | None = None) -> str:
+        """The artifact's text: state, shards, rows (per dataset), rates, tokens and the ETA."""
+        rows_total = sum(c.rows_total for c in self.counts.values())
+        per = ", ".join(f"{n} {c.rows + c.rejects}/{c.rows_total}" for n, c in self.counts.items())
+        rate = self.rows_new / self.elapsed_s
+        tok_rate = self.completion_tokens / self.elapsed_s
+        tokens = (f"tokens {_k(self.prompt_tokens)} in / {_k(self.completion_tokens)} out "
+                  f"({tok_rate:,.0f} out/s)")
+        rejects = self.total("rejects")
+        counts = (f"{self.done_shards}/{self.total_shards} shards, {self.rows + rejects}/{rows_total} rows ({per})"
+                  + (f", {rejects} rejected" if rejects else ""))
+        if self.state == "done":
+            return (f"{self.partition}: DONE in {fmt_duration(self.elapsed_s)}: {counts}, {rate:,.1f} rows/s, "
+                    f"{tokens}")
+        if self.state == "failed":
+            why = f" ({self.why})" if self.why else ""
+            return f"{self.partition}: FAILED{why} after {fmt_duration(self.elapsed_s)}: {counts}, {tokens}"
+        where = f", last {dataset} shard {shard}" if dataset and shard is not None else ""
+        eta = ("all shards committed" if self.done_shards >= self.total_shards
+               else f"ETA {fmt_duration(self.remaining_s())}")
+        return f"{self.partition}: {counts}, {rate:,.1f} rows/s, {tokens}, {eta}{where}"
+
+    def shard_committed(self, p: ShardProgress) -> None:
         """Count one committed shard, log the progress line and update the artifact."""
         with self._lock:
-            self.done_shards += 1
-            self.rows += rows
-            self.tokens += completion_tokens
-            text = self.describe(dataset, shard)
+            c = self.counts.get(p.dataset)
+            if c is None:
+                c = self.counts[p.dataset] = DatasetCounts(p.dataset_rows_total or p.rows, 1)
+            c.shards += 1
+            c.rows += p.rows
+            c.rejects += p.rejects
+            c.rows_new += p.rows_generated
+            c.prompt_tokens += p.prompt_tokens
+            c.completion_tokens += p.completion_tokens
+            self.shards_new += 1
+            assert self.eta is not None
+            self.eta.observe(self.elapsed_s, p.rows_generated, p.latencies_s)
+            text = self.describe(p.dataset, p.shard)
             pct = self._percent()
         self.logger.info("progress %s", text)
+        self._update(pct, text)
+
+    def _update(self, pct: float, text: str) -> None:
         if self._artifact is None or self._pool is None:
             return
-
         ctx = contextvars.copy_context()
         self._pool.submit(ctx.run, _safe_update, update_progress_artifact, self._artifact, pct, text)
 
-    def close(self) -> None:
+    def close(self, state: str = "done", why: str = "") -> None:
+        """End the progress: ``done`` (100%) or ``failed`` (``why``: e.g. the error's name), said in
+        the artifact and the log; then wait for the artifact's updates."""
+        with self._lock:
+            if self.state == "running":
+                self.state, self.why, self.ended = state, why, time.monotonic()
+                text = self.describe()
+                pct = 100.0 if state == "done" else self._percent()
+                self.logger.info("progress %s", text)
+                self._update(pct, text)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -23,13 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+from uuid import UUID
 
 import httpx
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
+from prefect.utilities.annotations import quote
 
 from emulator.simgpu import ENV_VAR as SIM_GPUS_ENV
 from emulator.simgpu import use_sim_gpus
@@ -40,23 +44,33 @@ from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.card import write_card
 from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
+from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
     DatasetSpec,
     Endpoint,
+    ServerGone,
     ServerPool,
     ShardProgress,
     check_resume,
     external_fingerprint,
     run_dataset,
 )
-from tasks.server import ServerHandle, classify_failure, launch_tuned, record_runtime_oom, stop_server
+from tasks.server import (
+    LaunchReport,
+    ServerHandle,
+    classify_failure,
+    launch_tuned,
+    record_runtime_oom,
+    stop_server,
+)
 from tasks.shards import OutputDir, ShardRecord
 from tasks.targets import parse_target
 from tasks.validation import (
     ThresholdError,
     Thresholds,
     ValidationFailed,
+    ValidationReport,
     check_canary,
     gate_shard,
     publish_artifacts,
@@ -80,18 +94,34 @@ __all__ = [
 ]
 
 
+LOW_HEADROOM_GIB = 1.0  # GPU memory left after graph capture below which a long prefill batch may OOM
+
+
+def gpu_label(gpus: tuple[int, ...] | list[int]) -> str:
+    """``gpu0``, ``gpu0,1``, ``gpu0..7`` (a contiguous range of more than two): the GPUs in run
+    names and artifact descriptions."""
+    g = sorted(gpus)
+    if len(g) > 2 and g == list(range(g[0], g[-1] + 1)):
+        return f"gpu{g[0]}..{g[-1]}"
+    return "gpu" + ",".join(map(str, g))
+
+
 def _run_name(fmt: str) -> Callable[[], str]:
-    """A task run name from ``fmt`` filled with the task's parameters and the context's host."""
+    """A task run name from ``fmt`` filled with the task's parameters, the context's host and
+    GPUs (``gpus``), the dataset's name and, for a relaunch, `` (relaunch k/N)`` (``again``)."""
     def name() -> str:
-        params = dict(task_run.parameters)
+        params = {k: v.unquote() if isinstance(v, quote) else v for k, v in task_run.parameters.items()}
         ctx = params.pop("ctx")
         spec = params.pop("spec", None)
-        return fmt.format(host=ctx.host, dataset=getattr(spec, "name", ""), **params)
+        attempt = int(params.get("attempt", 1))
+        again = f" (relaunch {attempt - 1}/{ctx.cfg.max_relaunches})" if attempt > 1 else ""
+        return fmt.format(host=ctx.host, gpus=gpu_label(ctx.gpus), dataset=getattr(spec, "name", ""),
+                          again=again, **params)
 
     return name
 
 
-@task(name="load-config", cache_policy=NONE)
+@task(name="load-config", task_run_name="load-config", cache_policy=NONE)
 def load_config(partition: str, overrides: Overrides) -> PartitionConfig:
     """Load ``deployments/<partition>.toml`` (or a path) and apply the overrides. Not retried.
 
@@ -101,11 +131,23 @@ def load_config(partition: str, overrides: Overrides) -> PartitionConfig:
     """
     cfg = load_partition(partition).with_overrides(overrides)
     cfg.check_bind()  # a routable server.host without a key: refused before any GPU work
-    get_run_logger().info("partition %s: %s", cfg.name, cfg.to_summary())
+    get_run_logger().info("partition %s:\n%s", cfg.name, _readable(cfg.to_summary()))
     return cfg
 
 
-@task(name="prepare-output", cache_policy=NONE)
+def _readable(summary: dict[str, Any], indent: str = "  ") -> str:
+    """One ``key: value`` line per setting; a mapping's items indented under its key."""
+    lines = []
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            lines.append(f"{indent}{key}:")
+            lines += [f"{indent}  {k}: {v}" for k, v in value.items()]
+        else:
+            lines.append(f"{indent}{key}: {value}")
+    return "\n".join(lines)
+
+
+@task(name="prepare-output", task_run_name="prepare-output", cache_policy=NONE)
 def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     """Pick the output directory (a nightly version to resume or a new one) and, for the emulator
     with no ``DATAGEN_SIM_GPUS`` set, create the simulated GPUs under the output root."""
@@ -124,11 +166,14 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
         gpus=sorted({g for gpus in target_gpus.values() for g in gpus}) or cfg.server_gpus(),
         target_gpus={t: sorted(set(g)) for t, g in target_gpus.items()},
     )
-    get_run_logger().info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
+    logger = get_run_logger()
+    logger.info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
+    if sim:  # said once here; the hygiene reports of the run leave it out
+        logger.info("simulated GPUs %s: %s", sim, SIM_GPUS_NOTE)
     return RunPlan(out_dir=out, root=root, version=out.name if cfg.versioned else None, sim_gpus=sim, log_dir=log_dir)
 
 
-@task(name="resume-check", cache_policy=NONE)
+@task(name="resume-check", task_run_name="resume-check", cache_policy=NONE)
 def resume_check(ctx: RunContext) -> None:
     """Before a GPU is touched: every dataset the output holds continues with its rows' sampling
     and reasoning parser. Not retried.
@@ -152,7 +197,7 @@ def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
                         release_delay_s=s.release_delay_s)
 
 
-@task(task_run_name=_run_name("hygiene-{phase}-{host}"), retries=2,
+@task(task_run_name=_run_name("hygiene-{phase}-{host}-{gpus}"), retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_condition_fn=retry_transient,
       cache_policy=NONE)
 def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
@@ -163,10 +208,13 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
         GpusNotClean: not verified clean (retried).
     """
     report = clean_gpus(target=ctx.target, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
+    report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # said once per run (prepare-output)
     summary = report.summary()
+    verdict = report.verdict.upper().replace("_", " ")
     get_run_logger().info("hygiene %s on %s: %s", phase, ctx.host, summary)
-    _markdown(f"# GPU hygiene ({phase}) on `{ctx.host}`\n\nverdict: **{report.verdict}**\n\n```\n{summary}\n```\n",
-              key=artifact_key("hygiene", phase, ctx.host), description=f"hygiene {phase} {ctx.host}: {report.verdict}")
+    _markdown(f"# GPU hygiene ({phase}) on `{ctx.host}`\n\nverdict: **{verdict}**\n\n```\n{summary}\n```\n",
+              key=artifact_key("hygiene", phase, ctx.cfg.name, ctx.host),
+              description=f"{verdict}: hygiene {phase} on {ctx.host} {gpu_label(ctx.gpus)}")
     if not report.clean:
         raise GpusNotClean(f"GPUs on {ctx.host} not verified clean ({report.verdict}):\n{summary}")
     return report.to_dict()
@@ -178,10 +226,19 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-@task(task_run_name=_run_name("launch-{host}"), retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=3),
-      retry_condition_fn=retry_launch, cache_policy=NONE)
-def launch_server(ctx: RunContext) -> ServerHandle:
+@task(task_run_name=_run_name("launch-{host}-{gpus}-{attempt}{again}"), retries=2,
+      retry_delay_seconds=exponential_backoff(backoff_factor=3), retry_condition_fn=retry_launch, cache_policy=NONE)
+def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "") -> ServerHandle:
     """Launch SGLang (or the emulator) with the tuned ``--mem-fraction-static``; returns the handle.
+
+    The run's explicit ``mem_fraction_static`` (a run parameter or ``--mem-fraction-static``) wins
+    over the remembered fraction on the first launch; a relaunch starts from memory, which a
+    runtime OOM has just lowered.
+
+    Args:
+        ctx: the run.
+        attempt: 1 for the run's first launch, k + 1 for relaunch k (named so in the run).
+        reason: why the server is relaunched (e.g. "a runtime OOM at 0.93").
 
     Raises:
         LaunchFailed: no fraction worked, or a failure no fraction fixes (retried when transient).
@@ -194,22 +251,48 @@ def launch_server(ctx: RunContext) -> ServerHandle:
         # and the next run ends it from this record (runrecord.end_dead_servers).
         runrecord.add_server(ctx.run_id, ctx.target, pid, pgid)
 
+    pinned = ctx.explicit_fraction if attempt == 1 else None
     handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
-                                  on_started=on_started)
+                                  on_started=on_started, pinned=pinned)
     runrecord.update_server(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
                             log=str(handle.log_path), state="ready")
+    relaunch = f"relaunch {attempt - 1}/{cfg.max_relaunches} after {reason}" if attempt > 1 else ""
+    start = relaunch or _start_source(report)
     headroom = handle.headroom_gib
-    lines = [f"# Server launch on `{ctx.host}`", "", f"- url: {handle.url}", f"- pid {handle.pid}, log `{handle.log_path}`",
-             f"- --mem-fraction-static: **{report.fraction}** (start: {report.start_source}, memory: {report.store})",
-             f"- headroom after graph capture: {headroom if headroom is not None else '?'} GiB",
+    low = headroom is not None and headroom < LOW_HEADROOM_GIB
+    logger = get_run_logger()
+    lines = [f"# Server launch {attempt} on `{ctx.host}` {gpu_label(ctx.gpus)}", "",
+             f"- --mem-fraction-static: **{report.fraction}** (start: {start}; memory: {report.store})",
+             f"- headroom after graph capture: {headroom if headroom is not None else '?'} GiB"
+             + (f" **LOW**: under {LOW_HEADROOM_GIB:g} GiB left for activations, a long prefill batch may "
+                "run out of memory (lower mem_fraction_static)" if low else ""),
+             f"- relaunch budget: {attempt - 1} of {cfg.max_relaunches} used",
+             f"- url: {handle.url}", f"- pid {handle.pid}, log `{handle.log_path}`",
              f"- attempts ({len(report.attempts)}): {report.summary()}"]
-    _markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", ctx.host),
-              description=f"launch {ctx.host}: fraction {report.fraction} after {len(report.attempts)} attempt(s)")
-    get_run_logger().info("server up on %s at %s: %s (headroom %s GiB)", ctx.host, handle.url, report.summary(), headroom)
+    artifact = _markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
+                         description=f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
+                                     f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
+                                     + (f" ({relaunch})" if relaunch else ""))
+    if artifact is not None:
+        with contextlib.suppress(OSError):  # the record is for recovery; the artifact is a nicety
+            runrecord.update_server(ctx.run_id, handle.pid, artifact=str(artifact), artifact_text="\n".join(lines))
+    logger.info("server up on %s at %s: %s (headroom %s GiB; start: %s)", ctx.host, handle.url, report.summary(),
+                headroom, start)
+    if low:
+        logger.warning("headroom after graph capture on %s is %s GiB, under %g GiB: a long prefill batch may run "
+                       "out of memory; lower mem_fraction_static", ctx.host, headroom, LOW_HEADROOM_GIB)
     return handle
 
 
-@task(task_run_name=_run_name("health-{host}"), retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1),
+def _start_source(report: LaunchReport) -> str:
+    """Where the first fraction came from, the remembered one named when it was not used."""
+    if report.start_source == "explicit":
+        kept = f"; remembered {report.remembered}" if report.remembered is not None else ""
+        return f"explicit run parameter{kept}"
+    return report.start_source
+
+
+@task(task_run_name=_run_name("health-{host}-{gpus}"), retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1),
       cache_policy=NONE)
 def health_check(ctx: RunContext, endpoint: Endpoint) -> None:
     """``/health_generate`` must answer 200 (a 1-token generation ran).
@@ -223,7 +306,7 @@ def health_check(ctx: RunContext, endpoint: Endpoint) -> None:
         raise RuntimeError(f"{endpoint.url}/health_generate answered {r.status_code}")
 
 
-@task(name="identify-server", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1),
+@task(name="identify-server", task_run_name="identify-server", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1),
       cache_policy=NONE)
 def identify_server(ctx: RunContext) -> str:
     """The fingerprint of the shared server ``run.server_url``: the rows' ``server`` column, from
@@ -245,10 +328,11 @@ def identify_server(ctx: RunContext) -> str:
     return fingerprint
 
 
-@task(task_run_name=_run_name("recover-{host}"), cache_policy=NONE)
+@task(task_run_name=_run_name("recover-{host}-{gpus}"), cache_policy=NONE)
 def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
     """The server stopped answering: read its log, and on a runtime OOM (classified ``too_high``)
-    record it so that the relaunch starts lower. Returns the failure kind."""
+    record it so that the relaunch starts lower; the server's launch artifact is updated to say
+    it died. Returns the failure kind."""
     logger = get_run_logger()
     try:
         text = handle.read_log()
@@ -264,10 +348,27 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
         if entry is not None:
             logger.warning("recorded runtime OOM at fraction %s on %s: the relaunch starts lower",
                            entry.runtime_oom_at, ctx.host)
+    run_id = getattr(ctx, "run_id", None)
+    if run_id:
+        _mark_launch_died(run_id, handle.pid, f"exit {status}: {failure.kind}: {failure.explanation}")
     return str(failure.kind)
 
 
-@task(task_run_name=_run_name("stop-server-{host}"), cache_policy=NONE)
+def _mark_launch_died(run_id: str, pid: int, why: str) -> None:
+    """Rewrite the launch artifact of the server ``pid`` to lead with its death (the run record
+    keeps the artifact's id and text)."""
+    entry = next((s for s in runrecord.read(run_id).get("servers", []) if s.get("pid") == pid), None)
+    if not entry or not entry.get("artifact"):
+        return
+    text = f"**DIED** during the run ({why}); the server was relaunched or the run stopped.\n\n" + entry["artifact_text"]
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_artifact(entry["artifact"], ArtifactUpdate(data=text, description=f"DIED: {why}"[:200]))
+    except Exception as exc:  # observability must never fail the run
+        get_run_logger().warning("launch artifact of pid %s not updated: %s", pid, exc)
+
+
+@task(task_run_name=_run_name("stop-server-{host}-{gpus}"), cache_policy=NONE)
 def stop(ctx: RunContext, handle: ServerHandle) -> None:
     """Stop the server's process group (SIGTERM, then SIGKILL) and wait for clean GPUs.
 
@@ -283,10 +384,14 @@ def stop(ctx: RunContext, handle: ServerHandle) -> None:
 @task(task_run_name=_run_name("infer-{dataset}@{host}"), retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NONE)
-def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool,
-                  progress: Progress) -> dict[str, Any]:
+def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool, progress: Progress,
+                  relaunch: str = "") -> dict[str, Any]:
     """Generate one dataset into the run's output, resuming committed shards and journals, against
     one server or the run's pool of servers (each request to whichever is free).
+
+    Args:
+        relaunch: what the flow does if the server dies (e.g. "relaunch 1/3"); empty: the run
+            stops (no budget left, or a shared server).
 
     Raises:
         ValidationFailed: the first rows (the canary) or a committed shard failed validation (not
@@ -304,7 +409,7 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | Serve
         gate_shard(out_dir, spec.name, record.index, thresholds)
 
     def on_progress(p: ShardProgress) -> None:
-        progress.shard_committed(p.dataset, p.shard, p.rows, p.completion_tokens)
+        progress.shard_committed(p)
 
     def on_canary(rows: list[dict[str, Any]]) -> None:
         # The first rows judged as they arrive: a gross failure stops the run in seconds.
@@ -314,8 +419,18 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | Serve
 
     t0 = time.monotonic()
     settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
-    result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
-                         progress=on_progress, on_canary=on_canary)
+    try:
+        result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
+                             progress=on_progress, on_canary=on_canary)
+    except ServerGone as exc:
+        if not relaunch:
+            raise
+        # Self-healing: a warning, and a message that says what happens next (not "rerun").
+        cause = exc.__cause__ if isinstance(exc.__cause__, ServerGone) else exc
+        logger.warning("server on %s gone while generating %s: %s; %d rows of this run are safe on disk; "
+                       "the flow relaunches the server (%s)", ctx.host, spec.name, cause, exc.rows_done, relaunch)
+        raise ServerGone(f"{cause} ({exc.rows_done} rows safe on disk; {relaunch} follows)",
+                         last_error=exc.last_error, rows_done=exc.rows_done, result=exc.result) from exc
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):
         logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "
@@ -335,19 +450,20 @@ def _thresholds(cfg: PartitionConfig) -> Thresholds:
         raise ConfigError(f"{cfg.source or 'override'}: [validation]: {exc}") from exc
 
 
-@task(name="validate-output", cache_policy=NONE)
-def validate(ctx: RunContext) -> dict[str, Any]:
-    """Validate the whole output and publish the validation artifacts.
+@task(name="validate-output", task_run_name="validate-output", cache_policy=NONE)
+def validate(ctx: RunContext, raise_on_failure: bool = True) -> dict[str, Any]:
+    """Validate the whole output and publish the validation artifacts (pass or fail).
+
+    Args:
+        raise_on_failure: False after the shard gate already stopped the run: publish the report
+            (and mark a nightly version failed) without raising again.
 
     Raises:
         ValidationFailed: the output fails a threshold (a nightly version is marked failed).
     """
     plan = ctx.plan
     report = validate_output(plan.out_dir, _thresholds(ctx.cfg))
-    try:
-        publish_artifacts(report)
-    except Exception as exc:  # observability must never fail the run
-        get_run_logger().warning("validation artifacts not published: %s", exc)
+    _publish(report, ctx.cfg.name)
     try:
         write_card(plan.out_dir, report.to_dict(), title=f"{ctx.cfg.name}: {plan.out_dir.name}")
     except (OSError, ValueError) as exc:  # the card describes the output; its rows are what matters
@@ -357,11 +473,19 @@ def validate(ctx: RunContext) -> dict[str, Any]:
     if not report.ok:
         if plan.version:
             mark_failed(plan.out_dir, summary)
-        raise ValidationFailed(f"validation of {plan.out_dir} failed:\n{summary}", report)
-    return {"passed": True, "summary": summary}
+        if raise_on_failure:
+            raise ValidationFailed(f"validation of {plan.out_dir} failed:\n{summary}", report)
+    return {"passed": report.ok, "verdict": report.verdict, "summary": summary}
 
 
-@task(name="promote-latest", cache_policy=NONE)
+def _publish(report: ValidationReport, partition: str) -> None:
+    try:
+        publish_artifacts(report, partition=partition)
+    except Exception as exc:  # observability must never fail the run
+        get_run_logger().warning("validation artifacts not published: %s", exc)
+
+
+@task(name="promote-latest", task_run_name="promote-latest", cache_policy=NONE)
 def promote(plan: RunPlan) -> str | None:
     """Nightly: point ``ROOT/latest`` at this validated version (atomic rename)."""
     if plan.version is None:
@@ -371,8 +495,10 @@ def promote(plan: RunPlan) -> str | None:
     return str(link)
 
 
-def _markdown(text: str, key: str, description: str) -> None:
+def _markdown(text: str, key: str, description: str) -> UUID | None:
+    """A markdown artifact of the current run; its id, or None when it could not be created."""
     try:
-        create_markdown_artifact(text, key=key, description=description)
+        return create_markdown_artifact(text, key=key, description=description)  # type: ignore[return-value]
     except Exception as exc:  # observability must never fail the run
         get_run_logger().warning("artifact %s not created: %s", key, exc)
+        return None

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "SIM_GPUS_NOTE",
     "GpuReading",
     "GpuUser",
     "ProcInfo",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 MIB = 1024 * 1024
+SIM_GPUS_NOTE = "DATAGEN_SIM_GPUS is set: simulated GPUs only, the host's real GPUs are not looked at"
 PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
 SMI_TIMEOUT_S = 20.0
 # Daemons that legitimately keep /dev/nvidia* open and must survive hygiene. Matched on the process
@@ -421,7 +423,7 @@ def read_gpus() -> tuple[str, list[GpuReading], list[GpuUser], list[str]]:
         # The emulator's nvidia-smi stand-in prints the simulated GPUs (the remote path in tests);
         # a real nvidia-smi or NVML would show the host's real GPUs.
         backends = tuple(b for b in _BACKENDS if b[0] == "sim" or (b[0] == "nvidia-smi" and _smi_is_stand_in()))
-        notes.append("DATAGEN_SIM_GPUS is set: simulated GPUs only, the host's real GPUs are not looked at")
+        notes.append(SIM_GPUS_NOTE)
     for name, reader in backends:
         try:
             gpus, users = reader()

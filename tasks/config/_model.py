@@ -187,6 +187,7 @@ class PartitionConfig:
     order_window: int | None = None  # rows per reordering window (None: from the concurrency)
     server_urls: tuple[str, ...] = ()  # running servers to use instead of launching (no hygiene)
     host_wait_s: float = 300.0  # how long a server whose host is unreachable is waited for
+    price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
 
     def __post_init__(self) -> None:
         # server_url and server_urls name the same servers: whichever was given fills the other.

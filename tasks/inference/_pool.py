@@ -39,7 +39,8 @@ class _OpenShard:
     """Counters of a shard being filled; its rows live only in the journal."""
 
     __slots__ = ("index", "journal", "done_ids", "done_pos", "accounted", "expected", "generated",
-                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing")
+                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing",
+                 "latencies")
 
     def __init__(self, index: int, journal: Journal, done_ids: set[str], done_pos: set[int]) -> None:
         self.index = index
@@ -55,6 +56,7 @@ class _OpenShard:
         self.completion_tokens = 0
         self.started = time.monotonic()
         self.committing = False
+        self.latencies: list[float] = []  # of the rows generated in this run (the ETA's distribution)
 
 
 @dataclass
@@ -162,10 +164,7 @@ class InferencePool:
                 f"shard {shard.index} of {self.spec.name}: journal holds {len(rows)} rows + "
                 f"{len(rejects)} rejects, expected {shard.expected} (journal {shard.journal.path})"
             )
-        record = self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
-        if self.on_shard_committed is not None:
-            self.on_shard_committed(record)
-        return record
+        return self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
 
     async def _after_commit(self, shard: _OpenShard, fut: asyncio.Future[ShardRecord]) -> None:
         record = await fut
@@ -175,6 +174,9 @@ class InferencePool:
         self.rows_committed += record.rows + record.rejects
         if self.progress is not None:
             self.progress(self._progress(shard, record))
+        if self.on_shard_committed is not None:
+            # After the progress report: a shard the gate stops on is committed, and counted.
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.on_shard_committed, record)
 
     def _progress(self, shard: _OpenShard, record: ShardRecord) -> ShardProgress:
         elapsed = max(1e-9, time.monotonic() - shard.started)
@@ -194,6 +196,7 @@ class InferencePool:
             tokens_per_s=shard.completion_tokens / elapsed, retries=retries,
             shards_committed=len(self.committed), shards_total=shards_total,
             dataset_rows_done=done, dataset_rows_total=total, eta_s=eta,
+            latencies_s=tuple(shard.latencies),
         )
 
     def _close_slice(self, index: int, expected: int, tg: asyncio.TaskGroup) -> None:
@@ -308,6 +311,7 @@ class InferencePool:
             shard.generated += 1
             shard.prompt_tokens += res.prompt_tokens
             shard.completion_tokens += res.completion_tokens
+            shard.latencies.append(res.latency_s)
             self.result.rows_generated += 1
             self.result.prompt_tokens += res.prompt_tokens
             self.result.cached_tokens += _cached_tokens(res.meta_info)

@@ -53,6 +53,7 @@ class ShardProgress:
     dataset_rows_done: int  # rows + rejects committed for this dataset
     dataset_rows_total: int | None  # an estimate until the input was read to the end
     eta_s: float | None
+    latencies_s: tuple[float, ...] = ()  # request latency of each row generated in this run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -177,11 +177,12 @@ class LaunchReport:
     """How a tuned launch went: every attempt, where the start came from, what was remembered."""
 
     key: str
-    start_source: str  # remembered | configured | default
+    start_source: str  # explicit | remembered | configured | default
     attempts: list[Attempt]
     fraction: float | None
     headroom_gib: float | None
     store: str
+    remembered: float | None = None  # what memory held for the key at the start (shown when not used)
 
     def summary(self) -> str:
         return "; ".join(a.describe() for a in self.attempts)
@@ -208,6 +209,7 @@ def launch_tuned(
     hygiene: Callable[[Any, list[int]], Any] | None = _default_hygiene,
     launcher: Callable[..., ServerHandle] = launch,
     on_started: Callable[[int, int], None] | None = None,
+    pinned: float | None = None,
 ) -> tuple[ServerHandle, LaunchReport]:
     """Launch ``cfg`` on ``target``, moving ``--mem-fraction-static`` until the server comes up.
 
@@ -215,7 +217,9 @@ def launch_tuned(
     ``cfg.mem_fraction_static``, else SGLang's default (flag omitted). ``hygiene(target, gpus)`` runs
     between attempts (the failed server is already stopped by then). Remembers the fraction that
     worked and its headroom. ``on_started(pid, pgid)`` is handed to the launcher and called for
-    every attempt as soon as its server process exists (see ``tasks.server.launch``). Raises
+    every attempt as soon as its server process exists (see ``tasks.server.launch``). ``pinned``:
+    a fraction the user asked for explicitly for this launch: the start, whatever memory holds
+    (the search still moves from it when the launch fails). Raises
     LaunchFailed (``attempts`` = every Attempt, message names each fraction and failure) when no
     attempt worked; whatever ``on_started`` raises.
     """
@@ -225,7 +229,10 @@ def launch_tuned(
     key = memory_key(cfg, target, gpu_name or gpu_model_name(target, gpus))
     entry = memory.get(key)
     ceiling = entry.runtime_oom_at if entry else None
-    if entry is not None and (entry.fraction is not None or entry.runtime_oom_at is None):
+    fraction: float | None
+    if pinned is not None:
+        fraction, source, ceiling = pinned, "explicit", None
+    elif entry is not None and (entry.fraction is not None or entry.runtime_oom_at is None):
         fraction, source = entry.fraction, "remembered"
     elif cfg.mem_fraction_static is not None:
         fraction, source = cfg.mem_fraction_static, "configured"
@@ -256,7 +263,8 @@ def launch_tuned(
         worked = fraction if fraction is not None else effective_fraction(handle.read_log(1 << 20))
         attempts.append(Attempt(fraction, worked, None, handle.log_path, time.monotonic() - t0))
         memory.remember_success(key, worked, handle.headroom_gib)
-        report = LaunchReport(key, source, attempts, worked, handle.headroom_gib, memory.kind)
+        report = LaunchReport(key, source, attempts, worked, handle.headroom_gib, memory.kind,
+                              remembered=entry.fraction if entry is not None else None)
         log.info("server ready after %d attempt(s): %s", len(attempts), report.summary())
         return handle, report
 

@@ -47,15 +47,17 @@ def report_markdown(report: ValidationReport) -> str:
     return "\n".join(out) + "\n"
 
 
-def publish_artifacts(report: ValidationReport, key_prefix: str = "validation") -> list[str]:
+def publish_artifacts(report: ValidationReport, key_prefix: str = "validation", partition: str | None = None) -> list[str]:
     """Create a table and a markdown artifact for ``report`` in the current Prefect run.
 
     Outside a flow or task run this does nothing and returns []; inside, it returns the artifact ids.
-    Keys are ``<prefix>-checks`` and ``<prefix>-summary`` (lowercase letters, digits, dashes).
+    Keys are ``<prefix>-checks[-<partition>]`` and ``<prefix>-summary[-<partition>]`` (lowercase
+    letters, digits, dashes): one history per partition. Descriptions lead with the verdict.
 
     Args:
         report: the validation report to publish.
         key_prefix: start of both artifact keys (normalised to lowercase letters, digits, dashes).
+        partition: the run's partition, the end of both keys.
     """
     # Prefect is imported only when artifacts are published: `datagen validate`, resplit and the
     # benchmarks use this package without paying Prefect's import (seconds).
@@ -65,11 +67,12 @@ def publish_artifacts(report: ValidationReport, key_prefix: str = "validation") 
         return []
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    description = f"datagen validation of {report.out_dir}: {report.verdict}"
+    tail = f"-{partition}" if partition else ""
+    description = f"{report.verdict.upper()}: validation of {report.out_dir} ({report.rows:,} rows)"
     ids = [
-        create_table_artifact(table=report_table(report), key=_artifact_key(key_prefix, "checks"),
+        create_table_artifact(table=report_table(report), key=_artifact_key(key_prefix, "checks" + tail),
                               description=description),
-        create_markdown_artifact(markdown=report_markdown(report), key=_artifact_key(key_prefix, "summary"),
+        create_markdown_artifact(markdown=report_markdown(report), key=_artifact_key(key_prefix, "summary" + tail),
                                  description=description),
     ]
     return [str(i) for i in ids]

@@ -17,6 +17,7 @@ from tasks.validation._stats import (
     counts,
     example_note,
     first_id,
+    fix_parser,
     majority,
     no_parser,
     pct,
@@ -85,13 +86,13 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         opener = ("the prompt opens the think block (chat template) and "
                   if s["missing_think_in_prompt"] * 2 > bad else "")
         cause = (f"{opener}the raw output uses the {start}…{end} format but parser is {parser}; "
-                 f"fix --reasoning-parser ({', '.join(fits[:3])}), then {resplit}")
+                 f"{fix_parser(', '.join(fits[:3]))}, then {resplit}")
         if parser != "none" and parser in fits:
             cause = (f"the raw output holds {end} but the split did not use it (parser {parser}, "
                      f"think_in_prompt taken into account?); run {resplit_command(ctx, parser)}")
     elif s["missing_think_in_prompt"] * 2 > bad:
         cause = (f"the prompt opens the think block (chat template) but parser is {parser} and the "
-                 f"output was not treated as reasoning; fix --reasoning-parser, then {resplit}")
+                 f"output was not treated as reasoning; {fix_parser()}, then {resplit}")
     elif s["missing_null"] * 2 <= bad:
         cause = ("the model wrote empty think blocks (thinking disabled in the chat template?); if that is "
                  "intended raise reasoning_missing_max_rate in the partition's [validation]")
@@ -130,10 +131,10 @@ def judge_tags(s: Stats, ctx: Context, thr: Thresholds) -> Check:
     parser = majority(s["parsers"])
     fits = LEAK_MARKERS[tag]
     if parser == "none":
-        cause = (f"the model writes {tag} but no reasoning parser is set; fix --reasoning-parser "
-                 f"(parsers writing {tag}: {fits}), then {resplit_command(ctx)}")
+        cause = (f"the model writes {tag} but no reasoning parser is set; {fix_parser(fits)}, then "
+                 f"{resplit_command(ctx)}")
     elif parser not in fits.split(", "):
-        cause = (f"the model writes {tag} but parser is {parser}; fix --reasoning-parser ({fits}), then "
+        cause = (f"the model writes {tag} but parser is {parser}; {fix_parser(fits)}, then "
                  f"{resplit_command(ctx)}")
     else:
         cause = (f"parser {parser} left its own tag in {where} (a second think block, or a start tag not at "

@@ -14,6 +14,7 @@ from tasks.validation._stats import (
     counts,
     example_note,
     first_id,
+    fix_parser,
     pct,
     rate_check,
     rate_status,
@@ -46,7 +47,7 @@ def judge_content(s: Stats, ctx: Context, thr: Thresholds) -> Check:
                      f"content present in all {total} finished rows", 0, total)
     if s["all_reasoning"] * 2 > bad:
         cause = ("the split put the whole answer into reasoning (no end tag found: the parser is forced or "
-                 "think_in_prompt is set while the model did not think); fix --reasoning-parser, then "
+                 "think_in_prompt is set while the model did not think); " + fix_parser() + ", then "
                  f"{resplit_command(ctx)}")
     else:
         cause = "the model stopped without an answer; check the prompts and stop strings"

@@ -191,3 +191,12 @@ def resplit_command(ctx: Context, parser: str = "NAME") -> str:
     """The command that re-splits the output (the user picks the parser NAME unless it is known)."""
     out_dir = ctx.out_dir if " " not in ctx.out_dir else f"'{ctx.out_dir}'"
     return f"`datagen resplit {out_dir} --parser {parser}`"
+
+
+def fix_parser(choices: str = "") -> str:
+    """Advice to set the reasoning parser, naming each place to set it: the CLI flag, the flow
+    parameter (a custom run in the Prefect UI) and the partition key; ``choices``: the parsers
+    that fit, if known."""
+    fits = f"one of {choices}; " if choices else ""
+    return (f"fix the reasoning parser ({fits}set by --reasoning-parser, the reasoning_parser flow parameter in "
+            "the Prefect UI or [model] reasoning_parser in the partition)")

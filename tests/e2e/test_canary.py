@@ -57,7 +57,9 @@ def test_empty_reasoning_bug_stops_before_twice_the_concurrency(tmp_path: Path, 
     assert re.search(
         r"datagen run: run failed: reasoning empty in 100% of 32 rows of the first rows of prompts \(e\.g\. id "
         r"q-\d{3}\): the prompt opens the think block \(chat template\) and the raw output uses the <think>…</think> "
-        r"format but parser is mistral; fix --reasoning-parser \(deepseek-r1, qwen3, qwen3-thinking\), then "
+        r"format but parser is mistral; fix the reasoning parser \(one of deepseek-r1, qwen3, qwen3-thinking; "
+        + re.escape("set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] "
+                    "reasoning_parser in the partition") + r"\), then "
         + re.escape(f"`datagen resplit {out} --parser NAME` (also failing: tag_leak); stopped by the canary on the "
                     "first rows ([validation] canary_rows)\n"), run.stderr), run.stderr[-3000:]
     assert OutputDir(out).committed_indices("prompts") == set()

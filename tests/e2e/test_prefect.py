@@ -89,6 +89,16 @@ def test_up_deploys_every_partition_with_limits(stack: dict[str, Any]) -> None:
     sched = by_name["all"]["schedules"]
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in sched] == [("0 2 * * *", "UTC")]
     assert not by_name["demo"]["schedules"]
+    # The custom-run form: every parameter with a description, choices and bounds where they exist.
+    props = by_name["demo"]["parameter_openapi_schema"]["properties"]
+    assert all(p.get("description") for p in props.values()), props
+
+    def variant(name: str) -> dict[str, Any]:
+        return next(v for v in props[name]["anyOf"] if v.get("type") != "null")
+
+    assert variant("backend")["enum"] == ["sglang", "emulator"] and "qwen3" in variant("reasoning_parser")["enum"]
+    assert (variant("mem_fraction_static")["exclusiveMinimum"], variant("mem_fraction_static")["exclusiveMaximum"]) \
+        == (0, 1)
     limits = http.post("/v2/concurrency_limits/filter", json={}).json()
     assert any(lim["name"].startswith("gpu:") and lim["limit"] == 1 for lim in limits)
 

@@ -145,7 +145,8 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     message = (
         f"reasoning empty in 100% of {SHARD} rows of shard 0 of prompts (e.g. id q-000): the prompt opens the "
         "think block (chat template) and the raw output uses the <think>…</think> format but parser is mistral; "
-        "fix --reasoning-parser (deepseek-r1, qwen3, qwen3-thinking), then "
+        "fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; "
+        "set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then "
         f"`datagen resplit {out} --parser NAME` (also failing: tag_leak)"
     )
     assert f"datagen run: run failed: {message}\n" in first.stderr

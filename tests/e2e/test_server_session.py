@@ -69,12 +69,15 @@ def _fails_inside(partition: str, tmp: str, seen: list[int]) -> None:
 
 
 @flow(validate_parameters=False)
-def _server_keeps_dying(partition: str, tmp: str, seen: list[int], succeed_after: int | None) -> str:
+def _server_keeps_dying(partition: str, tmp: str, seen: list[int], succeed_after: int | None,
+                        told: list[str] | None = None) -> str:
     with ServerSession(_context(partition, tmp)) as session:
-        def work(endpoint: Endpoint) -> str:
+        def work(endpoint: Endpoint, next_relaunch: str) -> str:
             handle = session.handle
             assert handle is not None and endpoint.url == handle.url and endpoint.alive is not None
             seen.append(handle.pid)
+            if told is not None:
+                told.append(next_relaunch)
             if succeed_after is not None and len(seen) > succeed_after:
                 return f"done after {session.relaunches} relaunches"
             os.killpg(handle.pgid, signal.SIGKILL)
@@ -92,9 +95,11 @@ def test_session_stops_its_server_when_the_work_raises(api: None, tmp_path: Path
 
 def test_session_relaunches_within_the_budget_then_lets_server_gone_through(api: None, tmp_path: Path) -> None:
     seen: list[int] = []
+    told: list[str] = []
     with pytest.raises(ServerGone, match="died"):
-        _server_keeps_dying(_partition(tmp_path, 2), str(tmp_path), seen, None)
+        _server_keeps_dying(_partition(tmp_path, 2), str(tmp_path), seen, None, told)
     assert len(seen) == 3 and len(set(seen)) == 3  # the first server and two relaunches
+    assert told == ["relaunch 1/2", "relaunch 2/2", ""]  # what the work is told follows a death
     assert not any(pid_alive(p) for p in seen)
 
 

@@ -78,6 +78,7 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[run]\nconcurrency = true\n", "run.concurrency", "not a positive integer"),
         (BASE + '[run]\norder = "lpm"\n', "run.order", "'lpm' is not one of prefix, input"),
         (BASE + "[run]\norder_window = 0\n", "run.order_window", "not a positive integer"),
+        (BASE + "[run]\nprice_per_gpu_hour = -2\n", "run.price_per_gpu_hour", "not a non-negative number"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file
         (BASE + "[sim_gpus]\ncount = 2\n", "sim_gpus", "need server.backend"),
         (BASE + "[output]\nversioned = 1\n", "output.versioned", "true or false"),
@@ -104,6 +105,11 @@ def test_run_order_reaches_the_inference_settings(tmp_path: Path) -> None:
     cfg = load_partition(_write(tmp_path, BASE + '[run]\norder = "input"\norder_window = 64\n'))
     settings = RunContext.build(cfg, None, None).inference()  # type: ignore[arg-type]
     assert (settings.order, settings.order_window, settings.window_for(32)) == ("input", 64, 1)
+
+
+def test_price_per_gpu_hour_is_optional(tmp_path: Path) -> None:
+    assert load_partition(_write(tmp_path, BASE)).price_per_gpu_hour is None
+    assert load_partition(_write(tmp_path, BASE + "[run]\nprice_per_gpu_hour = 2.5\n")).price_per_gpu_hour == 2.5
 
 
 def test_unknown_partition_lists_known_ones() -> None:

@@ -45,7 +45,7 @@ def test_crash_hook_ends_the_recorded_server_and_spares_other_gpus(
         procs: list[subprocess.Popen[bytes]]) -> None:
     monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path / "state"))
     artifacts: list[str] = []
-    monkeypatch.setattr(hooks, "_artifact", lambda run_id, markdown, logger: artifacts.append(markdown))
+    monkeypatch.setattr(hooks, "_artifact", lambda run_id, markdown, logger, **kw: artifacts.append(markdown))
     server = _hold(1, procs, session=True)  # stands in for a server still loading on its GPU
     other = _hold(5, procs)  # the same user's job on a GPU the partition's server does not use
     run_id = str(uuid.uuid4())

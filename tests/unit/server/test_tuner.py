@@ -272,3 +272,17 @@ def test_on_started_reaches_the_launcher_on_every_attempt(memory):
     # Without a callback a launcher that does not know the keyword still works.
     _, r = launch_tuned(cfg, memory=memory, gpu_name="G", launcher=Scripted(0.6, 0.9), hygiene=None)
     assert r.fraction == 0.88
+
+
+def test_an_explicit_fraction_wins_over_the_remembered_one_which_stays_visible(memory):
+    cfg = ServerConfig(model_path="m", mem_fraction_static=0.8)
+    _, r = launch_tuned(cfg, memory=memory, gpu_name="G", launcher=Scripted(0.5, 0.95), hygiene=None)
+    record_runtime_oom(cfg, "local", 0.8, memory=memory, gpu_name="G")  # remembered: 0.75, OOM at 0.8
+    launcher = Scripted(0.5, 0.95)
+    _, r2 = launch_tuned(cfg, memory=memory, gpu_name="G", launcher=launcher, hygiene=None, pinned=0.9)
+    assert launcher.calls == [0.9] and r2.fraction == 0.9  # neither the memory nor its OOM ceiling
+    assert (r2.start_source, r2.remembered) == ("explicit", 0.75)
+    launcher = Scripted(0.5, 0.95)
+    _, r3 = launch_tuned(cfg, memory=memory, gpu_name="G", launcher=launcher, hygiene=None)
+    # without it, memory again: still below the runtime OOM it recorded
+    assert launcher.calls == [0.75] and r3.start_source == "remembered"

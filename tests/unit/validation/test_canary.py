@@ -34,7 +34,7 @@ def test_wrong_parser_stops_with_the_shard_gate_message_style() -> None:
     assert info.value.message == (
         "reasoning empty in 100% of 32 rows of the first rows of prompts (e.g. id prompts-000000): the prompt "
         "opens the think block (chat template) and the raw output uses the <think>…</think> format but parser "
-        "is mistral; fix --reasoning-parser (deepseek-r1, qwen3, qwen3-thinking), then `datagen resplit "
+        "is mistral; fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit "
         "/data/out --parser NAME` (also failing: tag_leak); stopped by the canary on the first rows "
         "([validation] canary_rows)"
     )
@@ -46,7 +46,7 @@ def test_no_parser_stops_on_the_leaked_tag() -> None:
         check_canary(_opened_think(None), "prompts")
     assert info.value.message.startswith(
         "</think> left in content of 100% of 32 rows of the first rows of prompts (e.g. id prompts-000000): "
-        "the model writes </think> but no reasoning parser is set; fix --reasoning-parser")
+        "the model writes </think> but no reasoning parser is set; fix the reasoning parser (one of ")
     assert info.value.message.endswith("; stopped by the canary on the first rows ([validation] canary_rows)")
 
 

@@ -81,8 +81,8 @@ def test_empty_reasoning_everywhere_stops_the_gate_with_one_message(tmp_path):
         gate_shard(out, "glaive", 0, Thresholds())
     assert err.value.message == (
         "reasoning empty in 100% of 500 rows of shard 0 of glaive (e.g. id glaive-000000): the prompt opens "
-        "the think block (chat template) and the raw output uses the <think>…</think> format but parser is none; fix --reasoning-parser (deepseek-r1, qwen3, "
-        f"qwen3-thinking), then `datagen resplit {out} --parser NAME` (also failing: tag_leak)"
+        "the think block (chat template) and the raw output uses the <think>…</think> format but parser is none; fix the reasoning parser (one of deepseek-r1, qwen3, "
+        f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME` (also failing: tag_leak)"
     )
     assert failing(err.value.report.checks) == ["reasoning_present", "tag_leak"]
     doc = json.loads((out / "_validation.json").read_text())
@@ -120,8 +120,8 @@ def test_tags_leaking_into_content(tmp_path):
     assert checks["tag_leak"].value == 1.0
     assert checks["tag_leak"].message == (
         "<think> left in content of 100% of 50 rows of shard 0 of glaive (e.g. id glaive-000000): the "
-        "model writes <think> but no reasoning parser is set; fix --reasoning-parser (parsers writing <think>: "
-        "deepseek-r1, qwen3, qwen3-thinking, glm45, kimi_k2, minimax, step3, nemotron_3, interns1), then "
+        "model writes <think> but no reasoning parser is set; fix the reasoning parser (one of "
+        "deepseek-r1, qwen3, qwen3-thinking, glm45, kimi_k2, minimax, step3, nemotron_3, interns1; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then "
         f"`datagen resplit {out} --parser NAME`")
 
 
@@ -132,7 +132,7 @@ def test_wrong_parser_family_leaks_and_misses_reasoning(tmp_path):
         gate_shard(out, "glaive", 0)
     assert err.value.message.startswith(
         "reasoning empty in 100% of 30 rows of shard 0 of glaive (e.g. id glaive-000000): the raw output "
-        "uses the <think>…</think> format but parser is mistral; fix --reasoning-parser")
+        "uses the <think>…</think> format but parser is mistral; fix the reasoning parser (one of ")
 
 
 def test_duplicates_across_shards(tmp_path):

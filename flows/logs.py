@@ -1,0 +1,70 @@
+"""Run logs a person can read: a filter on Prefect's run loggers, installed by the flow module.
+
+- ``Finished in state Completed()`` of each task run is dropped (the task run's state says it; the
+  flow run's own final line stays).
+- An expected failure, a ``DatagenError`` (classified: a retry decision and an exit code), is told
+  once, by the flow run, as ``<Error>: <message>`` without a traceback: the task run's failure
+  lines about it are dropped and the flow run's final state line points up to it. Any other
+  exception, a bug, keeps Prefect's lines and traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from tasks.errors import DatagenError
+
+__all__ = ["RunLogFilter", "install", "is_expected"]
+
+_TASK_FAILED = re.compile(r"encountered an exception (\w+):")
+_FLOW_FAILED = re.compile(r"^Finished in state (\w+)\('Flow run encountered an exception: (\w+):")
+
+
+def _error_names() -> set[str]:
+    names, todo = set(), [DatagenError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def is_expected(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a classified datagen error (told once, without a traceback)."""
+    return isinstance(exc, DatagenError)
+
+
+class RunLogFilter(logging.Filter):
+    """The rules of the module docstring, for ``prefect.task_runs`` and ``prefect.flow_runs``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.name == "prefect.task_runs":
+            if msg.startswith("Finished in state Completed("):
+                return False
+            if is_expected(exc):
+                return False  # "Task run failed with exception": the flow run tells it
+            found = _TASK_FAILED.search(msg) if msg.startswith("Finished in state ") else None
+            return not (found and found.group(1) in _error_names())
+        if is_expected(exc) and msg.startswith("Encountered exception during execution"):
+            assert exc is not None
+            record.msg, record.args = "%s: %s", (type(exc).__name__, exc)
+            record.exc_info, record.exc_text = None, None
+            return True
+        found = _FLOW_FAILED.match(msg)
+        if found and found.group(2) in _error_names():
+            record.msg, record.args = "Finished in state %s: %s (above)", (found.group(1), found.group(2))
+        return True
+
+
+_FILTER = RunLogFilter()
+
+
+def install() -> None:
+    """Add the filter to Prefect's run loggers (once per process)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)

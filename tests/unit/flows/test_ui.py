@@ -1,0 +1,153 @@
+"""What the Prefect UI shows of a run, without a server: the flow's parameter schema (the custom-run
+form), run names, the log filter, the progress text, the ETA estimators and the run summary."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from prefect.exceptions import ParameterTypeError
+from prefect.utilities.callables import parameter_schema
+
+from flows import logs
+from flows.datagen import datagen, flow_run_name
+from flows.eta import EtaInputs, row_rate, steady_rate
+from flows.params import PARAMETER_HELP
+from flows.progress import Progress
+from flows.stages import gpu_label
+from flows.summary import RunSummary
+from tasks.inference import ServerGone, ShardProgress
+from tasks.reasoning import PARSERS
+from tasks.validation import ValidationFailed
+
+
+def test_every_flow_parameter_has_a_type_a_default_and_a_description_and_choices_or_bounds() -> None:
+    props = parameter_schema(datagen).model_dump()["properties"]
+    assert list(props) == list(PARAMETER_HELP)  # one description per parameter, in order
+    for name, p in props.items():
+        assert p["description"] == PARAMETER_HELP[name], name
+        assert "default" in p and ("type" in p or "anyOf" in p), name
+
+    def variant(name: str) -> dict[str, Any]:
+        return next(v for v in props[name]["anyOf"] if v.get("type") != "null")
+
+    assert variant("backend")["enum"] == ["sglang", "emulator"]
+    assert variant("reasoning_parser")["enum"] == sorted(PARSERS)
+    assert (variant("mem_fraction_static")["exclusiveMinimum"], variant("mem_fraction_static")["exclusiveMaximum"]) == (0, 1)
+    assert variant("shard_size")["minimum"] == 1 and variant("concurrency")["minimum"] == 1
+    assert props["partition"] == {**props["partition"], "type": "string", "default": "all"}
+
+
+def test_out_of_bounds_and_unknown_choices_are_refused_before_the_run() -> None:
+    with pytest.raises(ParameterTypeError, match="mem_fraction_static"):
+        datagen.validate_parameters({"mem_fraction_static": 1.5})
+    with pytest.raises(ParameterTypeError, match="reasoning_parser"):
+        datagen.validate_parameters({"reasoning_parser": "qwen4"})
+    assert datagen.validate_parameters({"backend": "emulator", "shard_size": 5})["shard_size"] == 5
+
+
+def test_flow_run_name_is_partition_and_scheduled_date(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect.runtime import flow_run
+
+    when = datetime(2026, 3, 4, 2, 0, tzinfo=UTC)
+    monkeypatch.setitem(flow_run.FIELDS, "parameters", lambda: {"partition": "/x/nightly.toml"})
+    monkeypatch.setitem(flow_run.FIELDS, "scheduled_start_time", lambda: when)
+    assert flow_run_name() == "nightly-2026-03-04-0200"
+
+
+def test_gpu_labels() -> None:
+    assert [gpu_label(g) for g in ([0], [0, 1], list(range(8)), [1, 3])] == ["gpu0", "gpu0,1", "gpu0..7", "gpu1,3"]
+
+
+def _record(name: str, msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, exc_info)
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001 - a traceback to strip
+        return e
+
+
+def test_log_filter_drops_completed_lines_and_tells_an_expected_failure_once_without_traceback() -> None:
+    f = logs.RunLogFilter()
+    assert not f.filter(_record("prefect.task_runs", "Finished in state Completed()"))
+    assert f.filter(_record("prefect.flow_runs", "Finished in state Completed()"))  # the run's own line stays
+    gone = _raised(ValidationFailed("shard 0 failed", None))
+    assert not f.filter(_record("prefect.task_runs", "Task run failed with exception: x - Retries are exhausted", gone))
+    assert not f.filter(_record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception "
+                                                     "ValidationFailed: shard 0 failed')"))
+    flow_line = _record("prefect.flow_runs", "Encountered exception during execution: %r", gone)
+    assert f.filter(flow_line) and flow_line.getMessage() == "ValidationFailed: shard 0 failed"
+    assert flow_line.exc_info is None
+    final = _record("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: "
+                                         "ServerGone: long text')")
+    assert f.filter(final) and final.getMessage() == "Finished in state Failed: ServerGone (above)"
+    bug = _raised(KeyError("x"))
+    assert f.filter(r := _record("prefect.task_runs", "Task run failed with exception: KeyError", bug))
+    assert r.exc_info is not None  # a bug keeps its traceback
+    assert issubclass(ServerGone, Exception) and "ServerGone" in logs._error_names()
+
+
+def _shard(dataset: str, shard: int, rows: int, *, tokens: int = 1000, latency: float = 0.5) -> ShardProgress:
+    return ShardProgress(dataset=dataset, shard=shard, rows=rows, rows_generated=rows, rejects=0, prompt_tokens=tokens,
+                         completion_tokens=2 * tokens, elapsed_s=1.0, tokens_per_s=1.0, retries=0, shards_committed=1,
+                         shards_total=None, dataset_rows_done=rows, dataset_rows_total=None, eta_s=None,
+                         latencies_s=(latency,) * rows)
+
+
+def test_progress_tells_rates_datasets_tokens_and_its_end_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0] + [float(t) for t in range(1, 100)])
+    monkeypatch.setattr("flows.progress.time.monotonic", lambda: next(clock))
+    p = Progress(partition="demo", datasets={"a": 200, "b": 100}, shard_size=100, concurrency=8,
+                 logger=logging.getLogger("test"))
+    p.start({"a": (1, 100, 0)})  # resumed: counted as done, not in the rates
+    p.shard_committed(_shard("a", 1, 100))
+    text = p.describe()
+    assert text.startswith("demo: 2/3 shards, 200/300 rows (a 200/200, b 0/100)")
+    assert "rows/s" in text and "tokens 1000 in / 2000 out" in text and "ETA " in text
+    p.shard_committed(_shard("b", 0, 100))
+    assert "all shards committed" in p.describe() and "ETA" not in p.describe()
+    p.close("done")
+    assert p.describe().startswith("demo: DONE in ") and "ETA" not in p.describe()
+    q = Progress(partition="demo", datasets={"a": 200}, shard_size=100, concurrency=8, logger=logging.getLogger("t"))
+    q.start({})
+    q.shard_committed(_shard("a", 0, 100))
+    q.close("failed", "ValidationFailed")
+    assert q.describe().startswith("demo: FAILED (ValidationFailed) after ") and "1/2 shards, 100/200 rows" in q.describe()
+
+
+def test_steady_rate_leaves_out_the_pipeline_fill_before_the_first_commit() -> None:
+    # 100 rows at 10 s (filling the pipeline), then 100 rows every 2 s: 400 rows left take 8 s.
+    x = EtaInputs(elapsed_s=14.0, rows_new=400, shards_new=4, rows_left=400, shards_left=4, datasets_left=1,
+                  first_s=10.0, first_rows=100)
+    assert steady_rate(x, [], 8) == pytest.approx(4.0 * 400 / 300)
+    assert row_rate(x, [], 8) == pytest.approx(14.0)
+
+
+def _summary(**kw: Any) -> RunSummary:
+    base: dict[str, Any] = dict(partition="demo", verdict="PASS", out_dir="/o", latest="/l", rows={"a": 400, "b": 200},
+                                rows_new=600, prompt_tokens=1000, completion_tokens=5000, wall_s=120.0, gpus=2,
+                                gpu_hours=2 * 120 / 3600, relaunches=1, max_relaunches=3)
+    return RunSummary(**{**base, **kw})
+
+
+def test_run_summary_costs_per_thousand_rows_only_with_a_price() -> None:
+    s = _summary(price_per_gpu_hour=3.0)
+    assert s.cost == pytest.approx(0.2) and s.cost_per_1k_rows == pytest.approx(0.2 / 0.6)
+    assert s.headline() == "PASS: demo: 600 rows -> /o, latest -> /l, 2m00s, 1 relaunch"
+    md = s.markdown()
+    for part in ("| rows | 600 (a 400, b 200) |", "| tokens in / out | 1,000 / 5,000 |", "5.00 rows/s",
+                 "| GPU-hours | 0.067 (2 GPU(s)) |", "| relaunches | 1 of 3 |", "| cost per 1,000 rows | 0.3333 |"):
+        assert part in md, part
+    assert _summary().cost_per_1k_rows is None and "cost" not in _summary().markdown()
+    assert "shared server" in _summary(gpu_hours=None).markdown()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
