@@ -136,6 +136,10 @@ def _finish(ctx: RunContext, progress: Progress, fleet: Fleet, latest: str | Non
     """End the progress artifact (done or failed) and publish the run summary; never raises."""
     logger = get_run_logger()
     name = type(error).__name__ if error is not None else ""
+    try:
+        progress.reconcile(_committed(OutputDir(ctx.plan.out_dir)))
+    except Exception as exc:  # the counts are for people; the run's outcome stands
+        logger.warning("progress not reconciled with the output: %s", exc)
     progress.close("failed" if error is not None else "done", name)
     verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
     reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""

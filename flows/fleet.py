@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
 
-from flows.context import RunContext
+from flows.context import RunContext, unlinked
 from flows.progress import artifact_key
 from flows.session import ServerSession
 from flows.stages import diagnose_server, health_check, hygiene
@@ -76,7 +76,7 @@ class Fleet:
         for name, _ in self.members:
             self.pool.expect(name)
         for name, server_ctx in self.members:
-            self._futures.append(serve_server.submit(server_ctx, name, self))
+            self._futures.append(serve_server.submit(unlinked(server_ctx), name, unlinked(self)))
         context = contextvars.copy_context()
         self._reporter = threading.Thread(target=context.run, args=(self._report_loop,),
                                           name="datagen-fleet-report", daemon=True)
@@ -206,7 +206,10 @@ def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
                 return {"server": name, "state": "stopped", "relaunches": session.relaunches}
             why = _why_dropped(ctx, session, dog)
             lane.reason = f"{why}: {lane.reason}"
-            logger.warning("server %s dropped: %s", name, lane.reason)
+            budget = ctx.cfg.max_relaunches
+            nxt = (f"the flow relaunches the server (relaunch {session.relaunches + 1}/{budget})"
+                   if ctx.launches and session.relaunches < budget else "not relaunched")
+            logger.warning("server %s dropped: %s; rows done are safe on disk; %s", name, lane.reason, nxt)
             if not ctx.launches:
                 return {"server": name, "state": "lost"}  # someone else's server: not ours to relaunch
             if session.relaunches >= ctx.cfg.max_relaunches:
@@ -232,7 +235,7 @@ def _bring_up(ctx: RunContext, session: ServerSession, why: str) -> None:
     else:
         oom = why == "died (too_high)"
         session.relaunch(diagnose=False, reason=f"a runtime OOM at {session.handle.fraction}" if oom else why)
-    health_check(ctx, session.endpoint)
+    health_check(unlinked(ctx), session.endpoint)
 
 
 def _end(ctx: RunContext, name: str, session: ServerSession, fleet: Fleet, unreachable_launch: bool) -> None:
@@ -247,7 +250,7 @@ def _end(ctx: RunContext, name: str, session: ServerSession, fleet: Fleet, unrea
             if session.handle is not None:
                 session.stop()
             elif unreachable_launch:
-                hygiene(ctx, "after-unreachable")
+                hygiene(unlinked(ctx), "after-unreachable")
             return
         except Exception as exc:
             left = deadline - time.monotonic()
@@ -274,7 +277,7 @@ def _why_dropped(ctx: RunContext, session: ServerSession, dog: Any) -> str:
         return "host unreachable"
     if not session.handle.route_open():
         return "connection to its host lost (the SSH port forward ended)"
-    return f"died ({diagnose_server(ctx, session.handle)})"
+    return f"died ({diagnose_server(unlinked(ctx), unlinked(session.handle))})"
 
 
 def reachable(target: str) -> bool:

@@ -131,6 +131,15 @@ class Progress:
         except Exception as exc:  # observability must never fail the run
             self.logger.warning("progress artifact not created: %s", exc)
 
+    def reconcile(self, committed: Mapping[str, tuple[int, int, int]]) -> None:
+        """Take the output's counts where they are ahead: a shard whose commit finished while the
+        run was being stopped (another shard's gate, a crash) was never reported."""
+        with self._lock:
+            for name, (shards, rows, rejects) in committed.items():
+                c = self.counts.get(name)
+                if c is not None and shards > c.shards:
+                    c.shards, c.rows, c.rejects = shards, rows, rejects
+
     def _percent(self) -> float:
         return 100.0 * self.done_shards / self.total_shards if self.total_shards else 100.0
 

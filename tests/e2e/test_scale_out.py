@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,11 +160,11 @@ def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
         prefect_server: PrefectServer, tmp_path: Path) -> None:
     # Two local servers (GPU 0 and GPU 1) that each hang after 40 requests: /health_generate fails
     # while the process lives. The watchdog kills each, the requests it held go to the other or to
-    # its relaunch (budget 1 per server), and the 120 rows complete exactly once.
+    # its relaunch (budget 2 per server), and the 120 rows complete exactly once.
     part, ids = _partition(
         tmp_path, 120, ['{ target = "local", gpus = [[0], [1]], '
                         'flags = { env = { DATAGEN_EMU_ARGS = "--emu-hang-after 40" } } }'],
-        decode_ms=4, run="max_relaunches = 1\nhang_timeout_s = 2")
+        decode_ms=4, run="max_relaunches = 2\nhang_timeout_s = 2")
     SimGpus.init(tmp_path / "sim.json", count=2)
     env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"),
                              DATAGEN_SIM_GPUS=str(tmp_path / "sim.json"))
@@ -174,9 +175,11 @@ def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
     assert_exactly_once(tmp_path / "out", {"ds": ids})
     for gpu in (0, 1):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"  server local[gpu {gpu}]: "))
-        assert "2 launch(es), finished (hung (/health_generate failed for 2 s while it ran; killed)" in line, line
+        # each hangs at least once; a loaded machine may leave a relaunch too few rows and see it hang again
+        assert re.search(r" [23] launch\(es\), finished \(hung \(/health_generate failed for 2 s while it ran; "
+                         r"killed\)", line), line
     (record,) = records(tmp_path).values()
-    assert len(record["servers"]) == 4 and not any(pid_alive(s["pid"]) for s in record["servers"])
+    assert len(record["servers"]) >= 4 and not any(pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim.json").snapshot()["gpus"])
 
 

@@ -307,8 +307,6 @@ def test_browser_artifacts_tab_shows_validation(stack: dict[str, Any], runs: dic
     browser.shot("run-artifacts")
 
 
-@pytest.mark.xfail(strict=True, reason="the run-summary artifact (key prefix run-summary) comes from another "
-                                       "branch; remove this mark once it is merged")
 def test_browser_artifacts_tab_shows_the_run_summary(stack: dict[str, Any], runs: dict[str, str],
                                                       browser: Page) -> None:
     (summary,) = [a for a in _artifacts(stack["api"], runs["demo"])

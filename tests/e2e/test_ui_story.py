@@ -115,17 +115,22 @@ def test_a_clean_run_names_its_runs_draws_a_clean_graph_and_summarises_itself(
 
     tasks = api.task_runs(run_id)
     gpu = f"{HOST}-gpu0"
+    session = "server-local[gpu 0]"  # the server's session: its hygiene, launch, health and stop inside
     assert [t["name"] for t in tasks] == [
-        "load-config", "prepare-output", "resume-check", f"hygiene-before-launch-{gpu}", f"launch-{gpu}-1",
-        f"health-{gpu}", f"infer-ds@{HOST}", f"stop-server-{gpu}", "validate-output", "promote-latest"]
-    # Only the data a task takes: the config for the output's choice, the launched server's endpoint.
+        "load-config", "prepare-output", "resume-check", session, f"hygiene-before-launch-{gpu}",
+        f"launch-{gpu}-1", f"health-{gpu}", f"infer-ds@{HOST}", f"stop-server-{gpu}", "validate-output",
+        "promote-latest"]
+    # Only the data a task takes: the config for the output's choice, the launched server's endpoint,
+    # and the session holding its server's tasks.
     assert _edges(tasks) == {("load-config", "prepare-output"), (f"launch-{gpu}-1", f"health-{gpu}"),
-                             (f"launch-{gpu}-1", f"infer-ds@{HOST}")}
+                             (session, f"hygiene-before-launch-{gpu}"), (session, f"launch-{gpu}-1"),
+                             (session, f"health-{gpu}"), (session, f"stop-server-{gpu}")}
 
     arts = {a["key"]: a for a in api.artifacts(flow_run_id={"any_": [run_id]})}
     assert set(arts) == {"datagen-progress-uiclean", f"hygiene-before-launch-uiclean-{HOST_KEY}",
                          f"server-launch-uiclean-{HOST_KEY}", "validation-checks-uiclean",
-                         "validation-summary-uiclean", "run-summary-uiclean"}
+                         "validation-summary-uiclean", "run-summary-uiclean",
+                         "server-uiclean-local-gpu-0", "servers-uiclean"}
     assert arts["validation-summary-uiclean"]["description"].startswith("PASS: validation of ")
     assert arts[f"server-launch-uiclean-{HOST_KEY}"]["description"].startswith("OK: launch 1 on ")
     assert arts[f"hygiene-before-launch-uiclean-{HOST_KEY}"]["description"].startswith("CLEAN: hygiene ")
