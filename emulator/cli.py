@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-health-timeout", type=float, default=20.0)
     e.add_argument("--emu-host-mem-gib", type=float, default=None)
     e.add_argument("--emu-drain-timeout", type=float, default=30.0)
+    # A gate for tests: /generate requests wait while this file exists (runs held at a known point).
+    e.add_argument("--emu-hold-while", metavar="PATH", default=None)
     return p
 
 

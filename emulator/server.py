@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 import time
@@ -314,6 +315,8 @@ def build_app(st: ServerState) -> web.Application:
         contract = _contract_error(body.get("sampling_params"))
         if contract is not None:
             return contract
+        while st.args.emu_hold_while and os.path.exists(st.args.emu_hold_while):
+            await asyncio.sleep(0.05)
         fault = _admit_faults()
         if fault is None:
             return await _never()
@@ -483,6 +486,8 @@ def build_app(st: ServerState) -> web.Application:
             prompt = _render(msgs, dict(body.get("chat_template_kwargs") or {}))
         except Exception as exc:  # jinja errors are the client's fault: SGLang answers 400 too
             return _error(f"Failed to apply the chat template: {exc}")
+        while st.args.emu_hold_while and os.path.exists(st.args.emu_hold_while):
+            await asyncio.sleep(0.05)
         fault = _admit_faults()
         if fault is None:
             return await _never()
