@@ -45,6 +45,8 @@ def mask_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
+    if _password(url) is None:
+        return url  # unchanged: geturl() would also drop the empty host of sqlite+aiosqlite:///PATH
     netloc = parts.netloc
     if parts.password is not None:
         userinfo, _, hostport = netloc.rpartition("@")
