@@ -373,12 +373,16 @@ def _start_server(args: argparse.Namespace, run_dir: Path, env: dict[str, str], 
     return api_url
 
 
-@reports_errors("datagen up")
-def up(args: argparse.Namespace) -> int:
-    root = project_root()
+def _start_of(args: argparse.Namespace) -> tuple[Path, Path, str]:
+    """``(project root, run directory (created), worker pool)`` of `up` and `worker`."""
     run_dir = _run_dir(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    pool = check_pool_name(args.pool)
+    return project_root(), run_dir, check_pool_name(args.pool)
+
+
+@reports_errors("datagen up")
+def up(args: argparse.Namespace) -> int:
+    root, run_dir, pool = _start_of(args)
     prefect_file = Path(args.prefect_file).resolve() if args.prefect_file else root / "prefect.yaml"
     deployments, pools = deployments_of(prefect_file)
     env = _control_env(root)
@@ -443,10 +447,7 @@ def _worker_api_url(args: argparse.Namespace, run_dir: Path) -> str:
 
 @reports_errors("datagen worker")
 def worker(args: argparse.Namespace) -> int:
-    root = project_root()
-    run_dir = _run_dir(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    pool = check_pool_name(args.pool)
+    root, run_dir, pool = _start_of(args)
     api_url = _worker_api_url(args, run_dir)
     try:
         _wait_healthy(api_url, None, None, 10.0)

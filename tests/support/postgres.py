@@ -15,10 +15,8 @@ import os
 import pwd
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ import asyncpg
 import psutil
 import pytest
 
-from tests.support.common import free_port
+from tests.support.common import free_port, kill_trees
 
 __all__ = ["Postgres", "postgres", "postgres_bin"]
 
@@ -134,22 +132,8 @@ def _stop(bindir: Path, data: Path, pid: int | None, account: pwd.struct_passwd 
             _run([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "-t", "30", "stop"], account, cwd)
         except (RuntimeError, subprocess.TimeoutExpired):
             pass
-    if pid is None:
-        return
-    left = []
-    try:
-        main = psutil.Process(pid)
-        left = [main, *main.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        pass
-    for p in left:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            continue
-    deadline = time.monotonic() + 10
-    while any(_alive(p.pid) for p in left) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if pid is not None:
+        kill_trees([pid], timeout_s=10)
 
 
 @pytest.fixture
