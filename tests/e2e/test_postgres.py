@@ -8,16 +8,19 @@ without its password.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+import httpx
 import psutil
 import pytest
 
@@ -117,6 +120,21 @@ def hosts(tmp_path: Path, postgres: Postgres, emulator_factory: Any) -> Iterator
             assert down.returncode == 0, down.stdout + down.stderr
 
 
+def _wait_held(url_of: Callable[[], str | None], deadline_s: float = 180) -> None:
+    """Until the server ``url_of()`` names (None: not yet known) holds a /generate request."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        url = url_of()
+        if url:
+            with contextlib.suppress(httpx.HTTPError):
+                metrics = httpx.get(f"{url}/metrics", timeout=5).text
+                if any(line.startswith("sglang:emu_held_requests") and float(line.split()[-1]) > 0
+                       for line in metrics.splitlines()):
+                    return
+        assert time.monotonic() < deadline, f"no request held at {url} within {deadline_s} s"
+        time.sleep(0.2)
+
+
 def _when(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
@@ -132,9 +150,14 @@ def test_two_partitions_run_at_once_on_postgres_through_two_workers(hosts: dict[
     assert not (base / "prefect" / "prefect.db").exists()  # not SQLite
 
     runs = {name: api.run(f"datagen/{name}") for name in ("pg-a", "pg-b")}
-    # Neither run can finish while its hold file exists: both are RUNNING at once before either is let go.
+    # Neither run can finish while its hold file exists: both are RUNNING, with requests waiting at
+    # their servers, at once before either is let go.
     for run in runs.values():
         api.wait(run, {"RUNNING"}, 180)
+    record_a = base / "state-a" / "runs" / f"{runs['pg-a']}.json"
+    _wait_held(lambda: next((s["url"] for s in json.loads(record_a.read_text()).get("servers", []) if s.get("url")),
+                            None) if record_a.exists() else None)
+    _wait_held(lambda: hosts["emulator"].url)
     for hold in hosts["holds"].values():
         hold.unlink()
     states = {name: api.wait(run, {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}, 240) for name, run in runs.items()}
