@@ -2,7 +2,8 @@
 `make down`), on one control host or several.
 
 `up` starts, in this order, only what is not already running:
-  1. a Prefect server on 127.0.0.1, unless ``--api-url`` names one that is already up. Its database
+  1. a Prefect server on 127.0.0.1 (``--host`` / ``$DATAGEN_PREFECT_HOST`` another address, for
+     workers on other control hosts), unless ``--api-url`` names one that is already up. Its database
      is SQLite at ``$PREFECT_HOME/prefect.db`` (PREFECT_HOME defaults to ``<project>/.prefect``), or
      the PostgreSQL database of ``--database-url`` / ``$PREFECT_SERVER_DATABASE_CONNECTION_URL``
      (``postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DATABASE``), checked before the server starts
@@ -347,7 +348,10 @@ def _database_of(args: argparse.Namespace) -> str | None:
 
 
 def _start_server(args: argparse.Namespace, run_dir: Path, env: dict[str, str], root: Path) -> str:
-    api_url = f"http://127.0.0.1:{args.port}/api"
+    # The API URL this host uses (and the UI is told); a server bound to every address is reached
+    # here on loopback, so its UI works from other hosts only with --host naming this host's address.
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    api_url = f"http://{f'[{host}]' if ':' in host else host}:{args.port}/api"
     db = _database_of(args)
     shown = mask_url(db) if db else f"SQLite {env['PREFECT_HOME']}/prefect.db"
     record = run_dir / "database"
@@ -364,7 +368,7 @@ def _start_server(args: argparse.Namespace, run_dir: Path, env: dict[str, str], 
     if db:
         senv[DATABASE_URL_ENV] = db
     log = run_dir / "server.log"
-    pid = _start([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], log, senv, root)
+    pid = _start([_bin("prefect"), "server", "start", "--host", args.host, "--port", str(args.port)], log, senv, root)
     _write_pid(run_dir, "server", pid)
     record.write_text(shown + "\n")
     print(f"prefect server: pid {pid}, PREFECT_HOME={env['PREFECT_HOME']}, database {shown}"
@@ -513,6 +517,9 @@ def main(argv: list[str]) -> int:
                                               "the server `datagen up` started with this --run-dir)")
     if cmd == "up":
         parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
+        parser.add_argument("--host", default=os.environ.get("DATAGEN_PREFECT_HOST") or "127.0.0.1",
+                            help="the address the started server listens on (default $DATAGEN_PREFECT_HOST, else "
+                                 "127.0.0.1; give the host's address for workers on other control hosts)")
         parser.add_argument("--api-url", help="use this running Prefect server instead of starting one")
         parser.add_argument("--database-url", metavar="URL",
                             help="the started server's database: postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB "

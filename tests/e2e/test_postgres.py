@@ -35,6 +35,7 @@ from tests.support.runs import FAST_EMU, assert_exactly_once, partition
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
 ROWS = 40
+SERVER_HOST = "127.0.0.2"
 
 
 def _env(base: Path, host: str, **extra: str) -> dict[str, str]:
@@ -98,15 +99,16 @@ def hosts(tmp_path: Path, postgres: Postgres, emulator_factory: Any) -> Iterator
     em = emulator_factory([*FAST_ARGS, *FAST_EMU, "--emu-hold-while", str(holds["pg-b"])],
                           env={ENV_VAR: str(gpus.path)})
     part_b, ids_b = _shared_server_partition(tmp_path / "b", em.url)
-    port = free_port()
-    env_a = _env(tmp_path, "a", DATAGEN_PREFECT_PORT=str(port))
+    # The server listens on host A's own address (a loopback alias stands in), where host B finds it.
+    port = free_port(SERVER_HOST)
+    env_a = _env(tmp_path, "a", DATAGEN_PREFECT_PORT=str(port), DATAGEN_PREFECT_HOST=SERVER_HOST)
     env_b = _env(tmp_path, "b")
-    api = PrefectApi(f"http://127.0.0.1:{port}/api")
+    api = PrefectApi(f"http://{SERVER_HOST}:{port}/api")
     try:
         up = _datagen(env_a, "up", "--database-url", postgres.url, "--prefect-file",
                       str(_prefect_file(tmp_path, {"pg-a": part_a, "pg-b": part_b})), "--pool", "pg-a", "--name", "host-a")
         assert up.returncode == 0, up.stdout + up.stderr
-        worker = _datagen(env_b, "worker", "--pool", "pg-b", "--name", "host-b", "--api-url", f"http://127.0.0.1:{port}/api")
+        worker = _datagen(env_b, "worker", "--pool", "pg-b", "--name", "host-b", "--api-url", f"http://{SERVER_HOST}:{port}/api")
         assert worker.returncode == 0, worker.stdout + worker.stderr
         pids = {"server": _pid(tmp_path / "run-a", "server"), "worker-a": _pid(tmp_path / "run-a", "worker-pg-a"),
                 "worker-b": _pid(tmp_path / "run-b", "worker-pg-b"), "emulator-b": em.pid}
@@ -146,6 +148,7 @@ def test_two_partitions_run_at_once_on_postgres_through_two_workers(hosts: dict[
     assert f"database {masked} (PostgreSQL " in hosts["up"]
     assert "work pools 'pg-a', 'pg-b' (process)" in hosts["up"]
     assert "deployed: datagen/pg-a, datagen/pg-b" in hosts["up"]
+    assert f"Prefect UI: http://{SERVER_HOST}:{hosts['port']}\n" in hosts["up"]
     assert postgres.password not in hosts["up"] + hosts["worker"]
     assert not (base / "prefect" / "prefect.db").exists()  # not SQLite
 
