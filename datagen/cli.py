@@ -41,7 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "emulator": ("emulator.cli", "the SGLang stand-in (takes sglang.launch_server flags + --emu-...)"),
     "gpu-sim": ("emulator.gpusim_cli", "simulated GPUs: init, show, hold"),
     "up": ("datagen.cmd_up", "start a local Prefect server, work pool, deployments and worker"),
-    "down": ("datagen.cmd_up", "stop what `datagen up` started (by pid file)"),
+    "worker": ("datagen.cmd_up", "start one more Prefect worker, for a work pool (this or another control host)"),
+    "down": ("datagen.cmd_up", "stop what `datagen up` and `datagen worker` started (by pid file)"),
 }
 
 
@@ -115,7 +116,7 @@ def _dispatch(argv: list[str]) -> int:
         print(f"datagen: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    if name in ("up", "down"):
+    if name in ("up", "down", "worker"):
         return int(module.main([name, *rest]) or 0)
     return int(module.main(rest) or 0)
 

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-request-log", default=os.environ.get("DATAGEN_EMU_REQUEST_LOG") or None,
                    help="append 'recv RID' when a /generate request arrives and 'done RID' when it is "
                         "answered (default: $DATAGEN_EMU_REQUEST_LOG)")
+    # A gate for tests: /generate requests wait while this file exists (runs held at a known point).
+    e.add_argument("--emu-hold-while", metavar="PATH", default=None)
     return p
 
 

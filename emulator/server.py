@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 import time
@@ -49,6 +50,7 @@ class ServerState:
     phase: str = "starting"  # starting | ready | shutting_down
     hung: bool = False
     generate_count: int = 0
+    held: int = 0  # /generate requests waiting on --emu-hold-while now
     rng_503: random.Random | None = None
     template: Any = None
     startup_s: float = 0.0  # from the start of the main process until it served
@@ -309,6 +311,18 @@ def build_app(st: ServerState) -> web.Application:
             return _queue_full()
         return web.Response(status=200)
 
+    async def _hold() -> None:
+        """Wait while the --emu-hold-while file exists, counted in the ``emu_held_requests`` metric."""
+        path = st.args.emu_hold_while
+        if not path or not os.path.exists(path):
+            return
+        st.held += 1
+        try:
+            while os.path.exists(path):
+                await asyncio.sleep(0.05)
+        finally:
+            st.held -= 1
+
     async def generate_handler(request: web.Request) -> web.StreamResponse:
         body = await _read_json(request)
         if not isinstance(body, dict):
@@ -321,6 +335,7 @@ def build_app(st: ServerState) -> web.Application:
         contract = _contract_error(body.get("sampling_params"))
         if contract is not None:
             return contract
+        await _hold()
         fault = _admit_faults()
         if fault is None:
             return await _never()
@@ -492,6 +507,7 @@ def build_app(st: ServerState) -> web.Application:
             prompt = _render(msgs, dict(body.get("chat_template_kwargs") or {}))
         except Exception as exc:  # jinja errors are the client's fault: SGLang answers 400 too
             return _error(f"Failed to apply the chat template: {exc}")
+        await _hold()
         fault = _admit_faults()
         if fault is None:
             return await _never()
@@ -572,6 +588,7 @@ def build_app(st: ServerState) -> web.Application:
             ("num_requests_total", "counter", "Number of requests processed.", engine.requests_total),
             ("emu_busy_slot_seconds_total", "counter",
              "Emulator only: integral over time of the number of running requests.", engine.busy_seconds()),
+            ("emu_held_requests", "gauge", "Emulator only: requests waiting on --emu-hold-while.", st.held),
         ]
         lines = []
         for name, kind, help_text, value in rows:

@@ -29,7 +29,8 @@ Each family lives with the code that raises it and keeps the built-in base its c
     ├── ValidationFailed                      no      tasks.validation
     ├── SlotTimeout (RuntimeError)            no      flows.gpulimit (another run held the GPU host too long)
     ├── ApiServerError (RuntimeError)         no      datagen._api_server
-    └── UpError (RuntimeError)                no      datagen.cmd_up
+    ├── UpError (RuntimeError)                no      datagen.cmd_up
+    └── DatabaseUnreachable (ConnectionError) no      datagen._database (the caller fixes the URL or starts it)
 
 ``retryable`` answers one question: can running the same step again, unchanged, succeed? The flow's
 retry conditions (flows.retry) and nothing else read it; the command line maps families to exit

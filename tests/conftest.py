@@ -7,6 +7,7 @@ pytest_plugins = [
     "tests.support.emulator",
     "tests.support.sshd",
     "tests.support.prefect",
+    "tests.support.postgres",
     "tests.support.sglang",
     "tests.support.browser",
 ]

@@ -11,6 +11,7 @@ import pytest
 
 from datagen._api_server import ApiServerError
 from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
+from datagen._database import DatabaseUnreachable
 from datagen._notify import NotifyError
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
@@ -48,14 +49,14 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError, NotifyError,
+    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
 USAGE: set[type[DatagenError]] = {
     ConfigError, TemplateError, TargetError, ServerConfigError, ThresholdError, ShardsError, OutputLocked,
     InputChanged, ManifestError, ExportError, BadOutput, TargetUnreachable, ProbeFailed, DamagedShards,
-    UnrecordedShards, UnsafeFile, NotifyError,
+    UnrecordedShards, UnsafeFile, NotifyError, DatabaseUnreachable,
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
@@ -128,7 +129,7 @@ def test_launch_failed_is_retryable_unless_its_kind_cannot_change(kind: str, ret
 def test_built_in_bases_callers_catch_are_kept() -> None:
     for cls in (ConfigError, TemplateError, TargetError, ServerConfigError, ThresholdError):
         assert issubclass(cls, ValueError), cls
-    assert issubclass(TargetUnreachable, ConnectionError)
+    assert issubclass(TargetUnreachable, ConnectionError) and issubclass(DatabaseUnreachable, ConnectionError)
     for cls in (GpusNotClean, ProbeFailed, ServerError, MemoryStoreError, UpError):
         assert issubclass(cls, RuntimeError), cls
 
@@ -176,7 +177,7 @@ def test_reports_errors_prints_the_message_and_returns_the_code(capsys: pytest.C
 @pytest.mark.parametrize("name", [n for n, (module, _) in COMMANDS.items() if module.startswith("datagen.")])
 def test_every_command_documents_its_exit_codes_in_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     module = importlib.import_module(COMMANDS[name][0])
-    argv = [name, "--help"] if name in ("up", "down") else ["--help"]
+    argv = [name, "--help"] if name in ("up", "down", "worker") else ["--help"]
     assert module.main(argv) == 0
     out = capsys.readouterr().out
     assert "\nExit codes" in out and exit_codes(module.__doc__) in out, out
