@@ -73,6 +73,7 @@ class RunContext:
             reasoning_parser=self.parser, model_dir=cfg.model_path,
             model_name=cfg.server.launch.served_model_name or Path(cfg.model_path).name,
             run_info={"flow_run": self.run_id, "host": self.host},
+            samples=cfg.samples, regenerate=cfg.regenerate,
         )
 
 

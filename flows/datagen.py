@@ -62,13 +62,15 @@ def datagen(
     tp_size: int | None = None,
     mem_fraction_static: float | None = None,
     reasoning_parser: str | None = None,
+    samples: int | None = None,
+    regenerate: str | None = None,
 ) -> dict[str, Any]:
     """Generate a partition's datasets.
 
     Args:
         partition: a name in deployments/ or a TOML path.
         inputs, model_path, out, backend, server_url, shard_size, concurrency, tp_size,
-            mem_fraction_static, reasoning_parser: override the partition config (``tasks.config.Overrides``; see
+            mem_fraction_static, reasoning_parser, samples, regenerate: override the partition config (``tasks.config.Overrides``; see
             ``datagen run --help``).
 
     Raises:

@@ -24,6 +24,7 @@ from tasks.config._checks import (
     opt_str,
     parser_name,
     positive_int,
+    regenerate_mode,
     resolve_path,
     table,
     writable_dir,
@@ -69,7 +70,8 @@ def list_partitions() -> list[str]:
 
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
-_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s"}
+_RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
+             "samples", "regenerate"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
 _LAUNCH_KEYS = SERVER_KEYS - {f.name for f in dataclasses.fields(ServerSettings)}
@@ -173,6 +175,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
+        samples=positive_int(run.get("samples", 1), f, "run.samples"),
+        regenerate=regenerate_mode(run.get("regenerate", "last"), f, "run.regenerate"),
         sampling=sampling,
         validation=validation,
         output_root=writable_dir(resolve_path(root, base), f, "output.root"),

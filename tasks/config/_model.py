@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config._checks import ConfigError, fraction, input_file, parser_name, positive_int, writable_dir
+from tasks.config._checks import (
+    ConfigError,
+    fraction,
+    input_file,
+    parser_name,
+    positive_int,
+    regenerate_mode,
+    writable_dir,
+)
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.targets import parse_target
@@ -101,6 +109,8 @@ class Overrides:
     tp_size: int | None = None
     mem_fraction_static: float | None = None
     reasoning_parser: str | None = None
+    samples: int | None = None
+    regenerate: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -160,6 +170,8 @@ class PartitionConfig:
     server_url: str | None = None
     hygiene_grace_s: float = 10.0
     hang_timeout_s: float = 120.0
+    samples: int = 1  # rows per prompt
+    regenerate: str = "last"  # tasks.inference.REGENERATE_MODES
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -204,6 +216,10 @@ class PartitionConfig:
             launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
         if overrides.reasoning_parser is not None:
             changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
+        if overrides.samples is not None:
+            changes["samples"] = positive_int(overrides.samples, where, "samples")
+        if overrides.regenerate is not None:
+            changes["regenerate"] = regenerate_mode(overrides.regenerate, where, "regenerate")
         try:
             server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
         except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override
@@ -294,6 +310,8 @@ class PartitionConfig:
             "server_url": self.server_url,
             "shard_size": self.shard_size,
             "concurrency": self.concurrency,
+            "samples": self.samples,
+            "regenerate": self.regenerate,
             "output_root": str(self.output_root),
             "versioned": self.versioned,
         }

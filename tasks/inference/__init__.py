@@ -24,7 +24,7 @@ from tasks.inference._driver import run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._resume import check_resume
-from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
+from tasks.inference._settings import AUTO, REGENERATE_MODES, Endpoint, InferenceSettings
 
 __all__ = [
     "AUTO",
@@ -40,6 +40,7 @@ __all__ = [
     "IDENTITY_KEYS",
     "InferenceSettings",
     "PromptTooLong",
+    "REGENERATE_MODES",
     "RequestRejected",
     "ServerGone",
     "ShardProgress",

@@ -1,10 +1,11 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
 ``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
-undoes half-finished commits, refuses sampling or a parser other than its rows' (``check_resume``),
-then streams the input once: committed shards and journaled ids are skipped, every generation is
-journaled as it arrives, and a shard commits once its whole slice is accounted for. Memory is
-flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
+undoes half-finished commits, refuses sampling, samples per prompt, regeneration mode or a parser
+other than its rows' (``check_resume``), then streams the input once: committed shards and journaled
+``(id, sample)`` rows are skipped, every generation is journaled as it arrives, and a shard commits
+once every sample of every record of its slice is accounted for. Memory is flat in the dataset size
+(a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations
@@ -91,14 +92,15 @@ async def run_dataset_async(
             rebuilt = await loop.run_in_executor(None, functools.partial(
                 out.rebuild_dataset, spec.name, input_path=str(spec.path.resolve()),
                 input_fingerprint=fingerprint, shard_size=settings.shard_size,
-                slices=input_slices(spec.path, spec.name, settings.shard_size)))
+                slices=input_slices(spec.path, spec.name, settings.shard_size), samples=settings.samples))
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
         if rebuilt:
             recovered["rebuilt_shards"] = len(rebuilt)
         await loop.run_in_executor(None, out.check_intact, spec.name)
-        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True)
+        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True,
+                     generation={"samples": settings.samples, "regenerate": settings.regenerate})
         cfg = settings.client
         info = None
         if settings.concurrency is None or settings.model_name is None:
@@ -120,6 +122,7 @@ async def run_dataset_async(
                 model_name=model_name, server_fingerprint=endpoint.fingerprint,
                 on_shard_committed=on_shard_committed, progress=progress, result=result,
                 canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
+                samples=settings.samples, regenerate=settings.regenerate,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)

@@ -13,9 +13,12 @@ from typing import Any
 from tasks.inference._client import ClientConfig
 from tasks.inference._records import DEFAULT_SAMPLING
 
-__all__ = ["AUTO", "Endpoint", "InferenceSettings"]
+__all__ = ["AUTO", "REGENERATE_MODES", "Endpoint", "InferenceSettings"]
 
 AUTO = "auto"  # reasoning_parser: inferred from the model directory's config
+# "last": the conversation's last assistant turn; "all": every assistant turn, each from the
+# model's own earlier turns.
+REGENERATE_MODES = ("last", "all")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class InferenceSettings:
         run_info: extra fields of the output lock's body (flow_run, host).
         canary_rows: the first rows generated (``canary_rows``, at most half the concurrency) are
             handed to ``run_dataset``'s ``on_canary`` as soon as they are journaled (0: never).
+        samples: rows per prompt, each with its own ``sampling_seed`` derived from the base seed
+            (``sampling["sampling_seed"]``, 0 when unset) and the row's ``(id, sample)``.
+        regenerate: one of ``REGENERATE_MODES``.
     """
 
     shard_size: int
@@ -64,3 +70,11 @@ class InferenceSettings:
     client: ClientConfig = field(default_factory=ClientConfig)
     run_info: Mapping[str, Any] = field(default_factory=dict)
     canary_rows: int = 0
+    samples: int = 1
+    regenerate: str = "last"
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.regenerate not in REGENERATE_MODES:
+            raise ValueError(f"regenerate must be one of {', '.join(REGENERATE_MODES)}, got {self.regenerate!r}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
+from tasks.shards._commit import append_rejects, read_rejects, reject_units, rows_to_table, write_parquet
 from tasks.shards._errors import DamagedShards, ManifestError, ShardsError, UnrecordedShards
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 from tasks.shards._integrity import ShardDamage, find_damage, uncommit
@@ -213,6 +213,7 @@ class OutputDir:
         input_fingerprint: str,
         shard_size: int,
         slices: Iterable[InputSlice],
+        samples: int = 1,
     ) -> list[int]:
         """Record ``dataset`` with the shard files no manifest records, each proven to be its slice.
 
@@ -227,6 +228,7 @@ class OutputDir:
             input_fingerprint: the input's fingerprint.
             shard_size: input records per shard.
             slices: the input's slices in index order.
+            samples: rows per input record the files were written with.
 
         Raises:
             UnrecordedShards: a file is not its slice (lists each; nothing is changed).
@@ -243,7 +245,8 @@ class OutputDir:
         if manifest is None:
             manifest = new_manifest(shard_size)
         check_shard_size(manifest, shard_size, self.path)
-        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset))
+        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset),
+                                             samples)
         if problems:
             raise UnrecordedShards(
                 f"{self.path / dataset} holds {len(files)} shard file(s) that no manifest records "
@@ -287,16 +290,19 @@ class OutputDir:
         index: int,
         rows: Iterable[dict[str, Any]] | pa.Table,
         rejects: Iterable[dict[str, Any]] = (),
+        *,
+        samples: int = 1,
     ) -> ShardRecord:
         """Commit shard ``index``: rejects, then Parquet (atomic), then manifest, then drop the journal.
 
-        Needs the lock.
+        Needs the lock. The shard's ``rejects`` count is in ``(record, sample)`` units, like its rows.
 
         Args:
             dataset: an opened dataset.
             index: the shard index.
             rows: row dicts (journal form) or a ROW_SCHEMA table.
             rejects: the shard's reject records.
+            samples: rows per input record: a reject without a ``sample`` stands for that many.
 
         Raises:
             ShardsError: this process does not hold the lock.
@@ -314,7 +320,7 @@ class OutputDir:
         path = self.shard_path(dataset, index)
         digest = write_parquet(path, table)
         record = ShardRecord(dataset, index, str(path.relative_to(self.path)), table.num_rows,
-                             len(reject_list), digest, utc_now_iso(), path)
+                             reject_units(reject_list, samples), digest, utc_now_iso(), path)
         add_shard(manifest, record)
         self.write_manifest(manifest)
         with contextlib.suppress(FileNotFoundError):

@@ -23,7 +23,7 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_prompt: bool = False,
-             raw: str | None = None) -> dict[str, Any]:
+             raw: str | None = None, sample: int = 0) -> dict[str, Any]:
     """One consistent row: raw with a think block, split by ``parser``, plausible token counts."""
     if raw is None:
         body = f"Let me think about question {i}. The user asks for a sum; two plus two is four."
@@ -54,6 +54,9 @@ def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_pro
         "think_in_prompt": think_in_prompt,
         "generated_at": NOW,
         "latency_s": 1.5,
+        "sample": sample,
+        "sampling_seed": None,
+        "turns": None,
     }
 
 

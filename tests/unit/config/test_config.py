@@ -312,7 +312,7 @@ def _config_error(tmp_path: Path, body: str) -> str:
         (BASE + "[sampling]\ntempreature = 0.6\n", "sampling.tempreature: unknown key (SGLang's sampling parameters: "),
         (BASE + "[sampling]\ntop_p = 0\n", "sampling.top_p: 0 is out of range (0, 1]"),
         (BASE + "[sampling]\ntop_k = 0\n", "sampling.top_k: 0 must be -1 (the whole vocabulary) or at least 1"),
-        (BASE + "[sampling]\nn = 2\n", "sampling.n: 2 must be 1 (datagen keeps one answer per prompt)"),
+        (BASE + "[sampling]\nn = 2\n", "sampling.n: 2 must be 1 (for several samples per prompt set run.samples)"),
         (BASE + '[sampling]\nstop = ["a", 3]\n', "sampling.stop: ['a', 3] must be a non-empty string or a list of them"),
         (BASE + '[sampling]\nstop_regex = "(a"\n', "sampling.stop_regex: '(a' pattern '(a' is not a regular expression: "),
         (BASE + "[sampling]\nmin_new_tokens = 50\nmax_new_tokens = 10\n",

@@ -147,7 +147,7 @@ def test_duplicates_across_shards(tmp_path):
     assert checks["unique_ids"].value == 1
     assert checks["unique_ids"].message == (
         "1 duplicate rows in 100 rows of glaive (ids glaive-000003); a resume re-ran committed rows: "
-        "keep one row per id (rerun the affected shards)")
+        "keep one row per id and sample (rerun the affected shards)")
     assert report.verdict == "fail"
 
 
