@@ -150,7 +150,9 @@ def _make_req(
     if mnt is None:
         mnt = st.context_length - n_prompt
     mnt = min(int(mnt), st.context_length - n_prompt)
-    seed_parts = (st.args.emu_seed, sp.get("sampling_seed"), sample if float(sp.get("temperature", 1.0)) > 0 else 0)
+    # Greedy decoding (temperature 0) ignores the seed and the sample index, as SGLang's does.
+    sampled = float(sp.get("temperature", 1.0)) > 0
+    seed_parts = (st.args.emu_seed, sp.get("sampling_seed") if sampled else None, sample if sampled else 0)
     fmt = st.fmt
     tail = prompt.rstrip() if prompt is not None else ""
     opened = bool(fmt.start) and tail.endswith(fmt.start)
