@@ -1,7 +1,9 @@
 """Sharded inference against SGLang's native ``/generate``: client, worker pool, rows, driver.
 
 ``run_dataset(spec, out_dir, endpoint, settings)`` generates one dataset into committed Parquet
-shards, resuming what is on disk; ``Endpoint`` is the server, ``InferenceSettings`` the how.
+shards, resuming what is on disk; ``Endpoint`` is the server, ``InferenceSettings`` the how (samples
+per prompt, regeneration of the last or every assistant turn). ``derive_seed`` gives a row's
+``sampling_seed``, ``conversation_slots`` the turns a whole conversation is generated in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tasks.inference._driver import run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._resume import check_resume
+from tasks.inference._rows import conversation_slots, derive_seed
 from tasks.inference._settings import AUTO, REGENERATE_MODES, Endpoint, InferenceSettings
 
 __all__ = [
@@ -46,7 +49,9 @@ __all__ = [
     "ShardProgress",
     "Transport",
     "check_resume",
+    "conversation_slots",
     "default_concurrency",
+    "derive_seed",
     "external_fingerprint",
     "run_dataset",
     "run_dataset_async",

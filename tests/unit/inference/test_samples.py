@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.export import export
-from tasks.inference._rows import conversation_slots, derive_seed
+from tasks.inference import conversation_slots, derive_seed
 from tasks.prompts import ChatTemplate
 from tasks.schema import ADDED_DEFAULTS
 from tasks.shards import InputChanged, OutputDir
