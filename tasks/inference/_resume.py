@@ -13,7 +13,7 @@ last turn. The parser is read from the newest committed shard:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -63,27 +63,15 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
         held = entry.get("sampling")
         if not isinstance(held, dict):
             held = orjson.loads(held_row["sampling"])
-        if held != wanted:
-            keys = sorted(k for k in set(held) | set(wanted) if held.get(k, _UNSET) != wanted.get(k, _UNSET))
-            raise InputChanged(
-                f"sampling of dataset {dataset!r} in {out.path}",
-                {k: held.get(k, _UNSET) for k in keys},
-                {k: wanted.get(k, _UNSET) for k in keys},
-                f"its rows were generated with {held}: rerun with that [sampling] to resume, "
-                f"or write to a new --out",
-            )
+        _refuse_change(f"sampling of dataset {dataset!r} in {out.path}", held, wanted,
+                       lambda keys: f"its rows were generated with {held}: rerun with that [sampling] to resume")
     generation = dict(generation or _OLDER_GENERATION)
     if held_row is not None or entry.get("shards"):
         held_gen = entry.get("generation") if isinstance(entry.get("generation"), dict) else _OLDER_GENERATION
-        if held_gen != generation:
-            keys = sorted(k for k in set(held_gen) | set(generation) if held_gen.get(k) != generation.get(k))
-            raise InputChanged(
-                f"samples per prompt / regeneration of dataset {dataset!r} in {out.path}",
-                {k: held_gen.get(k, _UNSET) for k in keys},
-                {k: generation.get(k, _UNSET) for k in keys},
-                f"its rows were generated with {', '.join(f'{k} = {held_gen.get(k)!r}' for k in keys)}: "
-                f"rerun with {' '.join(f'--{k} {held_gen.get(k)}' for k in keys)} to resume, or write to a new --out",
-            )
+        _refuse_change(f"samples per prompt / regeneration of dataset {dataset!r} in {out.path}", held_gen,
+                       generation, lambda keys: (
+                           f"its rows were generated with {', '.join(f'{k} = {held_gen.get(k)!r}' for k in keys)}: "
+                           f"rerun with {' '.join(f'--{k} {held_gen.get(k)}' for k in keys)} to resume"))
     if newest is not None and newest["reasoning_parser"] != parser:
         raise InputChanged(f"reasoning parser of dataset {dataset!r} in {out.path}", newest["reasoning_parser"],
                            parser, _parser_advice(out, newest["reasoning_parser"], parser))
@@ -91,6 +79,16 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
         entry["sampling"] = wanted
         entry["generation"] = generation
         out.write_manifest(manifest)
+
+
+def _refuse_change(what: str, held: Mapping[str, Any], wanted: Mapping[str, Any],
+                   advice: Callable[[list[str]], str]) -> None:
+    """Raise ``InputChanged`` naming the keys whose values differ between ``held`` and ``wanted``."""
+    if held == wanted:
+        return
+    keys = sorted(k for k in set(held) | set(wanted) if held.get(k, _UNSET) != wanted.get(k, _UNSET))
+    raise InputChanged(what, {k: held.get(k, _UNSET) for k in keys}, {k: wanted.get(k, _UNSET) for k in keys},
+                       f"{advice(keys)}, or write to a new --out")
 
 
 def _parser_advice(out: OutputDir, held: str | None, wanted: str | None) -> str:

@@ -40,6 +40,15 @@ def emulator(sim_gpus, emulator_factory):
     return emulator_factory(EMU_ARGS + ["--context-length", "400"])
 
 
+def _stop_after_one_shard(inp, out, url, **settings) -> None:
+    """A run of shards of 8 stopped once its first shard committed."""
+    def gate(rec):
+        raise Stop(f"stop after shard {rec.index}")
+
+    with pytest.raises(Stop):
+        run(inp, out, url, shard=8, on_shard_committed=gate, **settings)
+
+
 def _checks(report) -> dict[str, str]:
     return {c.name: c.status for c in report.datasets[0].checks}
 
@@ -93,12 +102,7 @@ def test_samples_one_row_per_id_and_sample_with_derived_seeds(tmp_path, emulator
 def test_resume_with_other_samples_or_mode_is_refused_then_resumes(tmp_path, emulator):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     ids = write_input(inp, 30)
-
-    def gate(rec):
-        raise Stop(f"stop after shard {rec.index}")
-
-    with pytest.raises(Stop):
-        run(inp, out, emulator.url, shard=8, samples=2, on_shard_committed=gate)
+    _stop_after_one_shard(inp, out, emulator.url, samples=2)
     before = wait_idle(emulator.url)["num_requests_total"]
     with pytest.raises(InputChanged) as info:
         run(inp, out, emulator.url, shard=8, samples=3)
@@ -147,12 +151,7 @@ def test_conversation_slots_skip_assistant_turns_before_the_first_user_turn():
 def test_an_output_of_the_older_schema_resumes_validates_and_exports(tmp_path, emulator):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     ids = write_input(inp, 30)
-
-    def gate(rec):
-        raise Stop(f"stop after shard {rec.index}")
-
-    with pytest.raises(Stop):
-        run(inp, out, emulator.url, shard=8, on_shard_committed=gate)
+    _stop_after_one_shard(inp, out, emulator.url)
     # make it an output of the older datagen: shard 0 without the added columns, no `generation`
     o = OutputDir(out)
     manifest = o.read_manifest()
