@@ -85,6 +85,7 @@ async def run_dataset_async(
     loop = asyncio.get_running_loop()
     with out.ensure_locked(_lock_info(settings.run_info)):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
+        generation = {"samples": settings.samples, "regenerate": settings.regenerate}
         rebuilt: list[int] = []
         if out.unrecorded_shards(spec.name):
             # The manifest was lost: adopt the shard files proven to be this input's slices, or refuse;
@@ -92,15 +93,14 @@ async def run_dataset_async(
             rebuilt = await loop.run_in_executor(None, functools.partial(
                 out.rebuild_dataset, spec.name, input_path=str(spec.path.resolve()),
                 input_fingerprint=fingerprint, shard_size=settings.shard_size,
-                slices=input_slices(spec.path, spec.name, settings.shard_size), samples=settings.samples))
+                slices=input_slices(spec.path, spec.name, settings.shard_size), generation=generation))
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
         if rebuilt:
             recovered["rebuilt_shards"] = len(rebuilt)
         await loop.run_in_executor(None, out.check_intact, spec.name)
-        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True,
-                     generation={"samples": settings.samples, "regenerate": settings.regenerate})
+        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True, generation=generation)
         cfg = settings.client
         info = None
         if settings.concurrency is None or settings.model_name is None:

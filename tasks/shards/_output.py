@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ class OutputDir:
         input_fingerprint: str,
         shard_size: int,
         slices: Iterable[InputSlice],
-        samples: int = 1,
+        generation: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Record ``dataset`` with the shard files no manifest records, each proven to be its slice.
 
@@ -228,7 +228,8 @@ class OutputDir:
             input_fingerprint: the input's fingerprint.
             shard_size: input records per shard.
             slices: the input's slices in index order.
-            samples: rows per input record the files were written with.
+            generation: ``{"samples": N, "regenerate": mode}`` of the run: the files must hold that
+                many samples per record and turns of that mode; recorded with the dataset.
 
         Raises:
             UnrecordedShards: a file is not its slice (lists each; nothing is changed).
@@ -242,21 +243,24 @@ class OutputDir:
         files = shard_files(self.path / dataset)
         if not files:
             return []
+        gen = dict(generation or {"samples": 1, "regenerate": "last"})
         if manifest is None:
             manifest = new_manifest(shard_size)
         check_shard_size(manifest, shard_size, self.path)
         records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset),
-                                             samples)
+                                             int(gen.get("samples", 1)), str(gen.get("regenerate", "last")))
         if problems:
             raise UnrecordedShards(
                 f"{self.path / dataset} holds {len(files)} shard file(s) that no manifest records "
                 f"({self.manifest_path} is missing or lacks {dataset!r}), and {len(problems)} of them are "
                 f"not this input's slices of {shard_size} records: {'; '.join(problems)}. Nothing was "
                 f"changed. Restore {self.manifest_path.name}, or rerun with the input and --shard-size "
-                f"the output was written with; a shard file moved out of {self.path / dataset} is "
+                f"(and --samples, --regenerate) the output was written with; a shard file moved out of {self.path / dataset} is "
                 f"generated again"
             )
-        bind_dataset(manifest, dataset, input_path, input_fingerprint)
+        entry, _ = bind_dataset(manifest, dataset, input_path, input_fingerprint)
+        if generation is not None:
+            entry["generation"] = gen
         for record in records:
             add_shard(manifest, record)
         self.write_manifest(manifest)

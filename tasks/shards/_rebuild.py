@@ -59,7 +59,7 @@ def _reject_lines(rejects: Iterable[dict[str, Any]]) -> dict[int, list[tuple[int
 
 
 def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int, int | None]],
-           samples: int) -> tuple[int, str | None]:
+           samples: int, regenerate: str) -> tuple[int, str | None]:
     """The row count of the file, and why it is not shard ``s.index`` of this input (None: it is)."""
     try:
         table = conform(pq.read_table(path))
@@ -70,6 +70,9 @@ def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int
     ids = [str(i) for i in table.column("id").to_pylist()]
     if set(table.column("dataset").to_pylist()) - {dataset}:
         return table.num_rows, f"it holds rows of another dataset than {dataset!r}"
+    whole = table.column("turns").null_count < table.num_rows  # turns: regenerate="all"
+    if table.num_rows and whole != (regenerate == "all"):
+        return table.num_rows, f"its rows were not generated with --regenerate {regenerate}"
     foreign = [i for i in ids if i not in s.ids]
     if foreign:
         return table.num_rows, (f"{len(foreign)} row id(s) are not records of input slice {s.index} "
@@ -85,7 +88,8 @@ def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int
 
 
 def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: Iterable[InputSlice],
-                    rejects: Iterable[dict[str, Any]], samples: int = 1) -> tuple[list[ShardRecord], list[str]]:
+                    rejects: Iterable[dict[str, Any]], samples: int = 1,
+                    regenerate: str = "last") -> tuple[list[ShardRecord], list[str]]:
     """Check each file of ``files`` against its input slice.
 
     Args:
@@ -95,6 +99,7 @@ def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: It
         slices: the input's slices in index order (consumed once; only those in ``files`` are kept).
         rejects: the dataset's reject records.
         samples: rows per input record.
+        regenerate: the regeneration mode the rows must have been generated with.
 
     Returns:
         The records to commit, and the problems (``shard-NNNNN.parquet: why``); adopt only when
@@ -110,7 +115,7 @@ def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: It
             continue
         seen.add(s.index)
         lines = reject_lines.get(s.index, [])
-        rows, why = _check(path, dataset, s, lines, samples)
+        rows, why = _check(path, dataset, s, lines, samples, regenerate)
         if why is not None:
             problems.append(f"{path.name}: {why}")
             continue

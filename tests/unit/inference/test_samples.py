@@ -16,7 +16,7 @@ from tasks.export import export
 from tasks.inference import conversation_slots, derive_seed
 from tasks.prompts import ChatTemplate
 from tasks.schema import ADDED_DEFAULTS
-from tasks.shards import InputChanged, OutputDir
+from tasks.shards import InputChanged, OutputDir, UnrecordedShards
 from tasks.validation import validate_output
 from tests.support.emulator import DEMO_MODEL
 from tests.support.inference import (
@@ -178,3 +178,22 @@ def test_derived_seeds_are_pinned_in_range_and_distinct():
     assert derive_seed(0, "q00000", 0) == int.from_bytes(hashlib.sha256(b"0\x00q00000\x000").digest()[:8], "big") >> 1
     seeds = {derive_seed(base, f"q{i}", k) for base in (0, 1, -(2**63)) for i in range(50) for k in range(4)}
     assert len(seeds) == 600 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_lost_manifest_adopts_shards_of_samples_and_conversations_only_with_their_settings(tmp_path, emulator):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_conversations(inp, 6, turns=2)
+    run(inp, out, emulator.url, shard=4, samples=2, regenerate="all", sampling={"max_new_tokens": 16})
+    (out / "_manifest.json").unlink()
+    before = wait_idle(emulator.url)["num_requests_total"]
+    for settings, why in [({"samples": 3, "regenerate": "all"}, "records x 3 samples of input slice 0"),
+                          ({"samples": 2, "regenerate": "last"}, "not generated with --regenerate last")]:
+        with pytest.raises(UnrecordedShards, match=why):
+            run(inp, out, emulator.url, shard=4, sampling={"max_new_tokens": 16}, **settings)
+        assert not (out / "_manifest.json").exists()
+    r = run(inp, out, emulator.url, shard=4, samples=2, regenerate="all", sampling={"max_new_tokens": 16})
+    assert r.recovered["rebuilt_shards"] == 2 and r.requests == 0
+    assert metrics(emulator.url)["num_requests_total"] == before
+    entry = OutputDir(out).read_manifest()["datasets"]["ds"]
+    assert entry["generation"] == {"samples": 2, "regenerate": "all"} and entry["complete"]
+    assert committed_keys(out) == sorted((i, k) for i in ids for k in range(2))
