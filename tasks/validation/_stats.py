@@ -137,6 +137,8 @@ def row_keys(table: pa.Table) -> pa.ChunkedArray:
     if "sample" not in table.column_names:
         return ids
     sample = table.column("sample")
+    if not pc.any(pc.fill_null(pc.not_equal(sample, 0), False)).as_py():
+        return ids  # one sample: the ids are the keys (no string built per row)
     joined = pc.binary_join_element_wise(ids, pc.cast(sample, pa.string()), _KEY_SEP)
     return pc.if_else(pc.fill_null(pc.equal(sample, 0), True), ids, joined)
 
