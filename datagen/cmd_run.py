@@ -3,6 +3,7 @@
     datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--model-path DIR] [--out DIR]
                 [--backend sglang|emulator] [--server-url URL ...] [--shard-size N] [--concurrency N]
                 [--tp-size N] [--mem-fraction-static F] [--reasoning-parser NAME]
+                [--samples N] [--regenerate last|all]
 
 Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else starts
 its own API server for the run ($DATAGEN_API_START_TIMEOUT_S bounds its start, default 120 s). A
@@ -40,6 +41,7 @@ from datagen._cli import (
 )
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
+from tasks.inference import REGENERATE_MODES
 from tasks.shards import OutputDir, OutputLocked
 
 
@@ -103,6 +105,11 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p.add_argument("--truncation-retries", type=int, metavar="N",
                    help="generate rows that finish by length again, up to N times, with a larger budget "
                    "(run.truncation; 0: never)")
+    p.add_argument("--samples", type=int, metavar="N",
+                   help="rows per prompt, each with its own sampling seed (default: the partition's run.samples)")
+    p.add_argument("--regenerate", choices=REGENERATE_MODES,
+                   help="last: the last assistant turn; all: every assistant turn of the conversation, "
+                        "each from the model's own earlier turns (default: the partition's run.regenerate)")
     return p
 
 

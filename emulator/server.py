@@ -228,7 +228,9 @@ def _make_req(
     mnt = sp.get("max_new_tokens", 128)
     # The scheduler's silent bound (init_req_max_new_tokens): one slot short of its request limit.
     mnt = min(1 << 30 if mnt is None else int(mnt), _max_req_len(st) - n_prompt - 1)
-    seed_parts = (st.args.emu_seed, sp.get("sampling_seed"), sample if float(sp.get("temperature", 1.0)) > 0 else 0)
+    # Greedy decoding (temperature 0) ignores the seed and the sample index, as SGLang's does.
+    sampled = float(sp.get("temperature", 1.0)) > 0
+    seed_parts = (st.args.emu_seed, sp.get("sampling_seed") if sampled else None, sample if sampled else 0)
     fmt = st.fmt
     tail = prompt.rstrip() if prompt is not None else ""
     opened = bool(fmt.start) and tail.endswith(fmt.start)

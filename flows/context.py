@@ -100,6 +100,7 @@ class RunContext:
             run_info={"flow_run": self.run_id, "host": self.host},
             truncation=TruncationPolicy(**cfg.truncation),
             order=cfg.order, order_window=cfg.order_window,
+            samples=cfg.samples, regenerate=cfg.regenerate,
         )
 
 

@@ -28,7 +28,15 @@ from flows.context import RunContext, unlinked
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.hooks import cleanup_hook
-from flows.params import Backend, MemFraction, NonNegativeInt, PositiveInt, ReasoningParser, documented
+from flows.params import (
+    Backend,
+    MemFraction,
+    NonNegativeInt,
+    PositiveInt,
+    ReasoningParser,
+    Regenerate,
+    documented,
+)
 from flows.progress import Progress
 from flows.stages import (
     infer_dataset,
@@ -85,6 +93,8 @@ def datagen(
     mem_fraction_static: MemFraction | None = None,
     reasoning_parser: ReasoningParser | None = None,
     truncation_retries: NonNegativeInt | None = None,
+    samples: PositiveInt | None = None,
+    regenerate: Regenerate | None = None,
 ) -> dict[str, Any]:
     """Generate a partition's datasets. An empty parameter keeps the partition's value.
 

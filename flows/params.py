@@ -25,6 +25,7 @@ else:  # the choices are SGLang's parser names, as tasks.reasoning knows them
 MemFraction = Annotated[float, Field(gt=0.0, lt=1.0)]  # the config's own check: strictly between 0 and 1
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+Regenerate = Literal["last", "all"]  # tasks.inference.REGENERATE_MODES
 
 # Empty (None) keeps the partition's value; the partition key each one overrides is named.
 PARAMETER_HELP: dict[str, str] = {
@@ -46,6 +47,9 @@ PARAMETER_HELP: dict[str, str] = {
                         "default: the model's).",
     "truncation_retries": "Times a row that finished by length is generated again with a larger budget "
                           "([run.truncation] retries; 0: off).",
+    "samples": "Rows per prompt, each with its own sampling seed ([run] samples).",
+    "regenerate": "last: regenerate the last assistant turn; all: every assistant turn, each from the model's "
+                  "own earlier turns ([run] regenerate).",
 }
 
 F = TypeVar("F", bound=Callable[..., object])

@@ -1,6 +1,7 @@
 """Export committed output as training JSONL (sharegpt, openai-messages, specforge), and re-derive
 reasoning/content from the stored raw text without a server (resplit). Both read only shards whose
-bytes match the manifest's sha256.
+bytes match the manifest's sha256; shards of an older datagen are read with the defaults of the
+columns added since (``tasks.schema.conform``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 from tasks.errors import DatagenError
 from tasks.prompts import opens_think
 from tasks.reasoning import PARSERS, split_reasoning, tags_for
+from tasks.schema import ADDED_DEFAULTS, conform
 from tasks.shards import OutputDir, ShardRecord
 
 __all__ = [
@@ -35,7 +37,8 @@ __all__ = [
 
 FORMATS = ("sharegpt", "openai-messages", "specforge")
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
-_EXPORT_COLUMNS = ["id", "messages", "prompt", "reasoning", "content", "finish_reason", "reasoning_parser"]
+_EXPORT_COLUMNS = ["id", "messages", "prompt", "reasoning", "content", "finish_reason", "reasoning_parser",
+                   "sample", "turns"]
 _BATCH_ROWS = 1024
 
 
@@ -152,23 +155,41 @@ def _shards(out: OutputDir, datasets: list[str] | None) -> list[ShardRecord]:
     return recs
 
 
-def _record(row: dict[str, Any], fmt: str) -> dict[str, Any]:
-    messages = list(row["messages"] or [])
+def _record(row: dict[str, Any], fmt: str, with_sample: bool = False) -> dict[str, Any]:
+    messages = [dict(m) for m in row["messages"] or []]
     if not messages:
         messages = [{"role": "user", "content": row["prompt"]}]
-    reasoning, content = row["reasoning"], row["content"]
+    parser = row["reasoning_parser"]
+    # Earlier assistant turns the model generated (regenerate="all") carry their own reasoning.
+    generated = {int(t["message_index"]): t for t in row.get("turns") or []}
+    head: dict[str, Any] = {"id": row["id"], "sample": row["sample"]} if with_sample else {"id": row["id"]}
     if fmt == "sharegpt":
-        turns = [{"from": _SHAREGPT_FROM.get(m["role"], m["role"]), "value": m["content"]} for m in messages]
-        turns.append({"from": "gpt", "value": assistant_text(reasoning, content, row["reasoning_parser"])})
-        return {"id": row["id"], "conversations": turns}
+        turns = []
+        for i, m in enumerate(messages):
+            t = generated.get(i)
+            value = assistant_text(t["reasoning"], t["content"], parser) if t is not None else m["content"]
+            turns.append({"from": _SHAREGPT_FROM.get(m["role"], m["role"]), "value": value})
+        turns.append({"from": "gpt", "value": assistant_text(row["reasoning"], row["content"], parser)})
+        return {**head, "conversations": turns}
+    always_reasoning = fmt == "openai-messages"  # null without reasoning; specforge leaves it out
+    out = [_answer(generated[i]["reasoning"], generated[i]["content"], always_reasoning) if i in generated else m
+           for i, m in enumerate(messages)]
+    out.append(_answer(row["reasoning"], row["content"], always_reasoning))
+    return {**head, "messages" if fmt == "openai-messages" else "conversations": out}
+
+
+def _answer(reasoning: str | None, content: str, always_reasoning: bool) -> dict[str, Any]:
     answer: dict[str, Any] = {"role": "assistant", "content": content.strip()}
     stripped = reasoning.strip() if reasoning is not None else None
-    if fmt == "openai-messages":
+    if always_reasoning or stripped is not None:
         answer["reasoning_content"] = stripped
-        return {"id": row["id"], "messages": [dict(m) for m in messages] + [answer]}
-    if stripped is not None:
-        answer["reasoning_content"] = stripped
-    return {"id": row["id"], "conversations": [dict(m) for m in messages] + [answer]}
+    return answer
+
+
+def _several_samples(out: OutputDir, dataset: str) -> bool:
+    entry = ((out.read_manifest() or {}).get("datasets") or {}).get(dataset) or {}
+    gen = entry.get("generation")
+    return isinstance(gen, dict) and int(gen.get("samples") or 1) > 1
 
 
 def iter_export(
@@ -182,7 +203,10 @@ def iter_export(
     "content", "reasoning_content"}]}`` (null without reasoning). ``specforge``: ``{"id",
     "conversations": [{"role", "content"}, ...]}``, ``reasoning_content`` left out without reasoning,
     as SpecForge's ``regenerate_train_data.py --reasoning save`` writes it. A row with a pre-rendered
-    prompt and no messages exports the prompt as its user turn.
+    prompt and no messages exports the prompt as its user turn. A row of a conversation regenerated
+    whole (``turns``) exports every assistant turn the model generated with its own reasoning, in
+    the same form as the last. Records of a dataset generated with several samples per prompt carry
+    ``"sample"`` after ``"id"`` (the id repeats once per sample).
 
     Args:
         out_dir: the output directory.
@@ -199,16 +223,20 @@ def iter_export(
         raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
     out = OutputDir(out_dir)
     report = report if report is not None else ExportReport()
+    several: dict[str, bool] = {}
     for rec in _shards(out, datasets):
         pf = pq.ParquetFile(io.BytesIO(_verified_shard(out, rec)))
         report.shards += 1
-        for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=_EXPORT_COLUMNS):
+        if rec.dataset not in several:
+            several[rec.dataset] = _several_samples(out, rec.dataset)
+        columns = [c for c in _EXPORT_COLUMNS if c in pf.schema_arrow.names]  # older shards lack some
+        for batch in pf.iter_batches(batch_size=_BATCH_ROWS, columns=columns):
             for row in batch.to_pylist():
                 if row["finish_reason"] != "stop" and not include_truncated:
                     report.skipped_truncated += 1
                     continue
                 report.rows += 1
-                yield _record(row, fmt)
+                yield _record({**ADDED_DEFAULTS, **row}, fmt, several[rec.dataset])
 
 
 def export(
@@ -264,7 +292,7 @@ def resplit(out_dir: str | Path, parser: str, *, dry_run: bool = False) -> Respl
         for rec in records:  # every shard checked before any is rewritten: all or nothing
             _verified_shard(out, rec)
         for rec in records:
-            table = pq.read_table(io.BytesIO(_verified_shard(out, rec)))
+            table = conform(pq.read_table(io.BytesIO(_verified_shard(out, rec))))
             report.shards += 1
             report.rows += table.num_rows
             new_table, changed = _resplit_table(table, parser)

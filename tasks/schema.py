@@ -1,5 +1,9 @@
 """The row schema of every committed shard (columns in the README, "Output layout and schema"), shared
 by the writer, the validator, resplit and export; Parquet files are written with zstd compression.
+
+Columns added after the first release have a value that rows written before them hold implicitly
+(``ADDED_DEFAULTS``); ``conform`` fills them in, so that an older output is resumed, validated and
+exported as it is. A row's key is ``(id, sample)``.
 """
 
 from __future__ import annotations
@@ -7,6 +11,17 @@ from __future__ import annotations
 import pyarrow as pa
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# One assistant turn generated before the row's last one (``[run] regenerate = "all"``).
+TURN_TYPE = pa.struct([
+    ("message_index", pa.int32()),  # its position in the row's `messages`
+    ("raw", pa.string()),
+    ("reasoning", pa.string()),
+    ("content", pa.string()),  # what `messages` holds at message_index
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("latency_s", pa.float64()),
+])
 
 ROW_SCHEMA = pa.schema(
     [
@@ -40,8 +55,29 @@ ROW_SCHEMA = pa.schema(
         pa.field("chat_template_hash", pa.string(), nullable=True),  # null: prompt given pre-rendered
         pa.field("run_id", pa.string(), nullable=True),  # Prefect flow run id, else local-<hex>
         pa.field("attempt", pa.int32(), nullable=True),  # 1-based call of that run on the dataset
+        # -- samples and whole conversations: (id, sample) is the row's key
+        pa.field("sample", pa.int32(), nullable=False),  # 0-based sample of the prompt
+        pa.field("sampling_seed", pa.int64(), nullable=True),  # sent as sampling_params.sampling_seed
+        pa.field("turns", pa.list_(TURN_TYPE), nullable=True),  # earlier regenerated turns; null: last only
     ]
 )
 
+# What a row written before a column existed holds in it (one sample, no seed sent, last turn only).
+ADDED_DEFAULTS: dict[str, object] = {"sample": 0, "sampling_seed": None, "turns": None}
+
 COLUMNS = tuple(ROW_SCHEMA.names)
 PARQUET_COMPRESSION = "zstd"
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """``table`` with the ``ADDED_DEFAULTS`` columns it lacks filled in (a shard of an older datagen),
+    in ROW_SCHEMA order; other differences are left for the caller's schema check to report."""
+    missing = [name for name in ADDED_DEFAULTS if name not in table.column_names]
+    if not missing:
+        return table
+    for name in missing:
+        field = ROW_SCHEMA.field(name)
+        table = table.append_column(field, pa.array([ADDED_DEFAULTS[name]] * table.num_rows, type=field.type))
+    order = [n for n in ROW_SCHEMA.names if n in table.column_names]
+    return table.select(order + [n for n in table.column_names if n not in ROW_SCHEMA.names])
+

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import DatagenError
+from tasks.inference import REGENERATE_MODES
 from tasks.prompts import check_input
 from tasks.reasoning import PARSERS
 from tasks.targets import TargetError, parse_target
@@ -86,6 +87,14 @@ def positive_int(value: Any, f: str, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{f}: {key}: {value!r} is not a positive integer")
     return value
+
+
+def regenerate_mode(value: Any, f: str, key: str) -> str:
+    """One of ``tasks.inference.REGENERATE_MODES``."""
+    if value not in REGENERATE_MODES:
+        raise ConfigError(f"{f}: {key}: {value!r} is not one of {', '.join(map(repr, REGENERATE_MODES))} "
+                          "(the last assistant turn, or every assistant turn of the conversation)")
+    return str(value)
 
 
 def nonneg_int(value: Any, f: str, key: str) -> int:

@@ -24,6 +24,7 @@ from tasks.config._checks import (
     opt_str,
     parser_name,
     positive_int,
+    regenerate_mode,
     resolve_path,
     table,
     writable_dir,
@@ -74,7 +75,8 @@ def list_partitions() -> list[str]:
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
-             "truncation", "order", "order_window", "host_wait_s", "price_per_gpu_hour"}
+             "truncation", "order", "order_window", "host_wait_s", "price_per_gpu_hour",
+             "samples", "regenerate"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
@@ -192,6 +194,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         host_wait_s=nonneg_float(run.get("host_wait_s", 300.0), f, "run.host_wait_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),
+        samples=positive_int(run.get("samples", 1), f, "run.samples"),
+        regenerate=regenerate_mode(run.get("regenerate", "last"), f, "run.regenerate"),
         sampling=sampling,
         truncation=truncation,
         validation=validation,

@@ -25,6 +25,7 @@ from tasks.config._checks import (
     nonneg_int,
     parser_name,
     positive_int,
+    regenerate_mode,
     writable_dir,
 )
 from tasks.config._servers import ServerSlot, TargetServers, slots_of
@@ -116,6 +117,8 @@ class Overrides:
     mem_fraction_static: float | None = None
     reasoning_parser: str | None = None
     truncation_retries: int | None = None
+    samples: int | None = None
+    regenerate: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -188,6 +191,9 @@ class PartitionConfig:
     server_urls: tuple[str, ...] = ()  # running servers to use instead of launching (no hygiene)
     host_wait_s: float = 300.0  # how long a server whose host is unreachable is waited for
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
+
+    samples: int = 1  # rows per prompt
+    regenerate: str = "last"  # tasks.inference.REGENERATE_MODES
 
     def __post_init__(self) -> None:
         # server_url and server_urls name the same servers: whichever was given fills the other.
@@ -264,6 +270,10 @@ class PartitionConfig:
         if overrides.truncation_retries is not None:
             changes["truncation"] = {**self.truncation,
                                      "retries": nonneg_int(overrides.truncation_retries, where, "truncation_retries")}
+        if overrides.samples is not None:
+            changes["samples"] = positive_int(overrides.samples, where, "samples")
+        if overrides.regenerate is not None:
+            changes["regenerate"] = regenerate_mode(overrides.regenerate, where, "regenerate")
         try:
             server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
         except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override
@@ -356,6 +366,8 @@ class PartitionConfig:
             "server_url": list(self.server_urls) if len(self.server_urls) > 1 else self.server_url,
             "shard_size": self.shard_size,
             "concurrency": self.concurrency,
+            "samples": self.samples,
+            "regenerate": self.regenerate,
             "output_root": str(self.output_root),
             "versioned": self.versioned,
         }

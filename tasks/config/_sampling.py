@@ -53,8 +53,8 @@ def _top_k(v: Any) -> str | None:
 
 
 def _one(v: Any) -> str | None:
-    # datagen stores one answer per prompt: several samples per request have nowhere to go.
-    return None if v == 1 and not isinstance(v, bool) else "must be 1 (datagen keeps one answer per prompt)"
+    # Samples are separate requests, each with its own seed and row ([run] samples).
+    return None if v == 1 and not isinstance(v, bool) else "must be 1 (for several samples per prompt set run.samples)"
 
 
 def _flag(v: Any) -> str | None:

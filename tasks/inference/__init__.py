@@ -2,7 +2,9 @@
 
 ``run_dataset(spec, out_dir, endpoint, settings)`` generates one dataset into committed Parquet
 shards, resuming what is on disk; ``Endpoint`` is the server (a ``ServerPool`` several, each request
-going to whichever is free), ``InferenceSettings`` the how.
+going to whichever is free), ``InferenceSettings`` the how (samples per prompt, regeneration of the
+last or every assistant turn). ``derive_seed`` gives a row's ``sampling_seed``,
+``conversation_slots`` the turns a whole conversation is generated in.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from tasks.inference._provenance import (
 )
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._resume import check_resume
-from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
+from tasks.inference._rows import conversation_slots, derive_seed
+from tasks.inference._settings import AUTO, REGENERATE_MODES, Endpoint, InferenceSettings
 
 __all__ = [
     "AUTO",
@@ -58,6 +61,7 @@ __all__ = [
     "Lane",
     "PromptTooLong",
     "Provenance",
+    "REGENERATE_MODES",
     "RequestRejected",
     "ServerGone",
     "ServerPool",
@@ -65,8 +69,10 @@ __all__ = [
     "Transport",
     "TruncationPolicy",
     "check_resume",
+    "conversation_slots",
     "default_concurrency",
     "engine_of",
+    "derive_seed",
     "external_fingerprint",
     "hf_snapshot",
     "model_revision",

@@ -1,10 +1,11 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
 ``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
-undoes half-finished commits, refuses sampling or a parser other than its rows' (``check_resume``),
-then streams the input once: committed shards and journaled ids are skipped, every generation is
-journaled as it arrives, and a shard commits once its whole slice is accounted for. Memory is
-flat in the dataset size (a bounded queue feeds ``concurrency`` workers).
+undoes half-finished commits, refuses sampling, samples per prompt, regeneration mode or a parser
+other than its rows' (``check_resume``), then streams the input once: committed shards and journaled
+``(id, sample)`` rows are skipped, every generation is journaled as it arrives, and a shard commits
+once every sample of every record of its slice is accounted for. Memory is flat in the dataset size
+(a bounded queue feeds ``concurrency`` workers).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ async def run_dataset_async(
     run_info = _lock_info(settings.run_info)
     with out.ensure_locked(run_info):
         fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
+        generation = {"samples": settings.samples, "regenerate": settings.regenerate}
         rebuilt: list[int] = []
         if out.unrecorded_shards(spec.name):
             # The manifest was lost: adopt the shard files proven to be this input's slices, or refuse;
@@ -101,14 +103,14 @@ async def run_dataset_async(
             rebuilt = await loop.run_in_executor(None, functools.partial(
                 out.rebuild_dataset, spec.name, input_path=str(spec.path.resolve()),
                 input_fingerprint=fingerprint, shard_size=settings.shard_size,
-                slices=input_slices(spec.path, spec.name, settings.shard_size)))
+                slices=input_slices(spec.path, spec.name, settings.shard_size), generation=generation))
         out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
                          shard_size=settings.shard_size)
         recovered = out.recover(spec.name)
         if rebuilt:
             recovered["rebuilt_shards"] = len(rebuilt)
         await loop.run_in_executor(None, out.check_intact, spec.name)
-        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True)
+        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True, generation=generation)
         cfg = settings.client
         probe_cfg = dataclasses.replace(
             cfg, api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
@@ -136,6 +138,7 @@ async def run_dataset_async(
                 canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
                 truncation=settings.truncation,
                 provenance=provenance, order_window=settings.window_for(conc),
+                samples=settings.samples, regenerate=settings.regenerate,
             )
             driver.committed = out.committed_indices(spec.name)
             driver.total_estimate = estimate_records(spec.path)

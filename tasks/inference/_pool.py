@@ -3,9 +3,12 @@
 ``InferencePool.run(input_iter)`` reads the input once in the event loop and feeds ``concurrency``
 worker tasks through a bounded queue, so only in-flight items, one reordering window (rows sent in
 ``tasks.inference._order.prefix_order``, for the server's prefix cache) and per-open-shard counters
-live in memory. A shard whose slice is fully accounted for (rows generated or resumed, rejects journaled)
-is committed by one committer thread, in the order shards complete: a straggler holds back only
-its own shard, and the workers never wait for a commit, which keeps the server's batch full.
+live in memory. A work item is one sample of one input record; ``samples`` items per record, all in
+the record's shard. A shard whose slice is fully accounted for (each ``(record, sample)`` generated or
+resumed, or rejected) is committed by one committer thread, in the order shards complete: a
+straggler holds back only its own shard, and the workers never wait for a commit, which keeps the
+server's batch full. With ``regenerate="all"`` an item is a whole conversation: each finished turn
+but the last is journaled as it arrives, so a resumed run continues from the last finished turn.
 
 Errors propagate out of ``run`` as the TaskGroup's ``BaseExceptionGroup``: ``ServerGone`` and
 ``RequestRejected`` from the client, ``OSError`` from the journal or the commit, ``RuntimeError``
@@ -19,7 +22,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.inference._budget import TruncationPolicy, capped_sampling
@@ -27,26 +30,29 @@ from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLon
 from tasks.inference._order import prefix_order
 from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
-from tasks.inference._rows import RowBuilder, public_reject
+from tasks.inference._rows import RowBuilder, conversation_slots, public_reject, request_id
 from tasks.prompts import Reject
 from tasks.reasoning import request_sampling
-from tasks.shards import Journal, OutputDir, ShardRecord
+from tasks.shards import Journal, OutputDir, ShardRecord, reject_units
 
 __all__ = ["InferencePool"]
 
 
 class _OpenShard:
-    """Counters of a shard being filled; its rows live only in the journal."""
+    """Counters of a shard being filled; its rows live only in the journal. Units are
+    ``(record, sample)`` pairs."""
 
-    __slots__ = ("index", "journal", "done_ids", "done_pos", "accounted", "expected", "generated",
-                 "resumed", "rejects", "prompt_tokens", "completion_tokens", "started", "committing",
-                 "latencies")
+    __slots__ = ("index", "journal", "done_keys", "done_units", "whole_rejects", "turns", "accounted",
+                 "expected", "generated", "resumed", "rejects", "prompt_tokens", "completion_tokens",
+                 "started", "committing", "latencies")
 
-    def __init__(self, index: int, journal: Journal, done_ids: set[str], done_pos: set[int]) -> None:
+    def __init__(self, index: int, journal: Journal, contents: Any) -> None:
         self.index = index
         self.journal = journal
-        self.done_ids = done_ids
-        self.done_pos = done_pos
+        self.done_keys: set[tuple[str, int]] = set(contents.rows)
+        self.done_units: set[tuple[int, int]] = contents.units
+        self.whole_rejects: set[int] = contents.whole_rejects
+        self.turns: dict[tuple[str, int], dict[int, dict[str, Any]]] = contents.turns
         self.accounted = 0
         self.expected: int | None = None
         self.generated = 0
@@ -64,8 +70,10 @@ class _Item:
     shard: _OpenShard
     pos: int
     row: Any  # tasks.prompts.InputRow
-    prompt: str
+    sample: int
+    prompt: str  # the prompt of the (first) turn
     think_in_prompt: bool
+    turns: dict[int, dict[str, Any]] = field(default_factory=dict)  # journaled turns (regenerate="all")
 
 
 class InferencePool:
@@ -91,6 +99,8 @@ class InferencePool:
         canary: tuple[int, Callable[[list[dict[str, Any]]], Any]] | None = None,
         truncation: TruncationPolicy | None = None,
         order_window: int = 1,
+        samples: int = 1,
+        regenerate: str = "last",
     ) -> None:
         self.spec = spec
         self.out = out
@@ -100,11 +110,13 @@ class InferencePool:
         self.sampling = dict(sampling)  # as configured: the rows' `sampling` column
         self.request_sampling = request_sampling(self.sampling, reasoning_parser)  # what is sent
         self.truncation = truncation or TruncationPolicy()
+        self.samples = samples
+        self.regenerate = regenerate
         self.rows = RowBuilder(
             dataset=spec.name, parser=reasoning_parser, model_name=model_name,
             sampling_json=RowBuilder.sampling_text(self.sampling), server_fingerprint=server_fingerprint,
             template=template, template_kwargs=spec.template_kwargs, truncation_json=self.truncation.to_json(),
-            provenance=provenance,
+            provenance=provenance, base_seed=int(self.sampling.get("sampling_seed", 0)),
         )
         # Rows to generate are sent in windows of this many, in ``prefix_order`` (1: input order).
         self.order_window = max(1, order_window)
@@ -133,13 +145,12 @@ class InferencePool:
         shard = self.shards.get(index)
         if shard is None:
             path = self.out.journal_path(self.spec.name, index)
-            contents = Journal.read(path)
-            shard = _OpenShard(index, Journal(path), set(contents.rows), contents.positions)
+            shard = _OpenShard(index, Journal(path), Journal.read(path))
             self.shards[index] = shard
         return shard
 
-    def _account(self, shard: _OpenShard, tg: asyncio.TaskGroup) -> None:
-        shard.accounted += 1
+    def _account(self, shard: _OpenShard, tg: asyncio.TaskGroup, units: int = 1) -> None:
+        shard.accounted += units
         self._maybe_commit(shard, tg)
 
     def _maybe_commit(self, shard: _OpenShard, tg: asyncio.TaskGroup) -> None:
@@ -156,15 +167,17 @@ class InferencePool:
         contents = Journal.read(shard.journal.path)
         lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
         rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
-                      key=lambda r: int(r.get("_pos", 0)))
+                      key=lambda r: (int(r.get("_pos", 0)), int(r.get("sample", 0))))
         rows = [self.rows.with_current_split(RowBuilder.with_budget(r)) for r in rows]
-        rejects = [public_reject(r) for _, r in sorted(contents.rejects.items()) if lo <= _ < hi]
-        if len(rows) + len(rejects) != shard.expected:
+        rejects = [public_reject(r) for (p, _), r in sorted(contents.rejects.items()) if lo <= p < hi]
+        units = len(rows) + reject_units(rejects, self.samples)
+        if units != shard.expected:
             raise RuntimeError(
                 f"shard {shard.index} of {self.spec.name}: journal holds {len(rows)} rows + "
-                f"{len(rejects)} rejects, expected {shard.expected} (journal {shard.journal.path})"
+                f"{len(rejects)} rejects ({units} of {shard.expected} record samples) "
+                f"(journal {shard.journal.path})"
             )
-        return self.out.commit_shard(self.spec.name, shard.index, rows, rejects)
+        return self.out.commit_shard(self.spec.name, shard.index, rows, rejects, samples=self.samples)
 
     async def _after_commit(self, shard: _OpenShard, fut: asyncio.Future[ShardRecord]) -> None:
         record = await fut
@@ -182,13 +195,14 @@ class InferencePool:
         elapsed = max(1e-9, time.monotonic() - shard.started)
         retries = self.client.stats.retries - self.retries_reported
         self.retries_reported = self.client.stats.retries
-        total = self.total_rows if self.total_rows is not None else self.total_estimate
+        records = self.total_rows if self.total_rows is not None else self.total_estimate
+        total = None if records is None else records * self.samples  # rows and rejects count per sample
         done = self.rows_before + self.rows_committed
         run_elapsed = time.monotonic() - self.started
         eta = None
         if total is not None and self.rows_committed > 0:
             eta = max(0.0, (total - done) * run_elapsed / self.rows_committed)
-        shards_total = None if total is None or self.total_rows is None else -(-total // self.shard_size)
+        shards_total = None if records is None or self.total_rows is None else -(-records // self.shard_size)
         return ShardProgress(
             dataset=self.spec.name, shard=shard.index, rows=record.rows, rows_generated=shard.generated,
             rejects=record.rejects, prompt_tokens=shard.prompt_tokens,
@@ -203,12 +217,12 @@ class InferencePool:
         if index in self.committed:
             return
         shard = self._open(index)
-        shard.expected = expected
+        shard.expected = expected * self.samples
         self._maybe_commit(shard, tg)
 
     def _journal_reject(self, shard: _OpenShard, pos: int, line: int, reason: str, raw: str,
-                        row_id: str | None = None, status: int | None = None) -> None:
-        shard.journal.append(self.rows.reject(pos, line, reason, raw, row_id=row_id, status=status))
+                        row_id: str | None = None, status: int | None = None, sample: int | None = None) -> None:
+        shard.journal.append(self.rows.reject(pos, line, reason, raw, row_id=row_id, status=status, sample=sample))
         shard.rejects += 1
         self.result.rejects += 1
 
@@ -242,20 +256,11 @@ class InferencePool:
             if index not in self.committed:
                 shard = self._open(index)
                 if isinstance(item, Reject):
-                    if pos not in shard.done_pos:
+                    if pos not in shard.whole_rejects:
                         self._journal_reject(shard, pos, item.line, item.reason, item.raw)
-                    self._account(shard, tg)
-                elif item.id in shard.done_ids or pos in shard.done_pos:
-                    shard.resumed += 1
-                    self.result.rows_resumed += 1
-                    self._account(shard, tg)
+                    self._account(shard, tg, self.samples)
                 else:
-                    prompt, reason = self.rows.prompt_for(item)
-                    if prompt is None:
-                        self._journal_reject(shard, pos, item.line, reason, item.raw, row_id=item.id)
-                        self._account(shard, tg)
-                    else:
-                        await self._send(_Item(shard, pos, item, prompt, self.rows.opens_think(prompt)), queue)
+                    await self._feed(shard, pos, item, queue, tg)
             if pos % size == size - 1:
                 self._close_slice(index, size, tg)
         await self._flush(queue)
@@ -283,6 +288,34 @@ class InferencePool:
         for i in prefix_order([it.prompt for it in window]):
             await queue.put(window[i])
 
+    async def _feed(self, shard: _OpenShard, pos: int, item: Any, queue: asyncio.Queue[_Item | None],
+                    tg: asyncio.TaskGroup) -> None:
+        """Queue the samples of input row ``item`` that its shard's journal does not account for."""
+        todo = [k for k in range(self.samples) if pos not in shard.whole_rejects
+                and (item.id, k) not in shard.done_keys and (pos, k) not in shard.done_units]
+        resumed = self.samples - len(todo)
+        shard.resumed += resumed
+        self.result.rows_resumed += resumed
+        if resumed:
+            self._account(shard, tg, resumed)
+        if not todo:
+            return
+        if self.regenerate == "all" and item.prompt is None:
+            prompt, reason = self.rows.render(item, item.messages[:conversation_slots(item.messages)[0]])
+        else:
+            prompt, reason = self.rows.prompt_for(item)
+        if prompt is None:
+            if resumed:  # some samples are done: reject the others one by one
+                for k in todo:
+                    self._journal_reject(shard, pos, item.line, reason, item.raw, row_id=item.id, sample=k)
+            else:
+                self._journal_reject(shard, pos, item.line, reason, item.raw, row_id=item.id)
+            self._account(shard, tg, len(todo))
+            return
+        think = self.rows.opens_think(prompt)
+        for k in todo:
+            await self._send(_Item(shard, pos, item, k, prompt, think, shard.turns.get((item.id, k), {})), queue)
+
     def _feed_canary(self, row: dict[str, Any]) -> None:
         """Collect the first generated rows; hand them over once there are ``canary_size``."""
         if len(self.canary) >= self.canary_size or self.on_canary is None:
@@ -297,27 +330,88 @@ class InferencePool:
             if item is None:
                 return
             shard = item.shard
-            try:
-                res = await self.client.generate(item.prompt, self.request_sampling, rid=item.row.id)
-            except PromptTooLong as exc:
-                self._journal_reject(shard, item.pos, item.row.line, f"prompt too long: {exc.message}",
-                                     item.row.raw, row_id=item.row.id, status=exc.status)
-                self._account(shard, tg)
-                continue
-            res, regenerated = await self._regenerate_truncated(item, res)
-            row = self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res, regenerated)
-            shard.journal.append(row)
-            self.result.rows_capped += res.capped
-            shard.generated += 1
-            shard.prompt_tokens += res.prompt_tokens
-            shard.completion_tokens += res.completion_tokens
-            shard.latencies.append(res.latency_s)
-            self.result.rows_generated += 1
-            self.result.prompt_tokens += res.prompt_tokens
-            self.result.cached_tokens += _cached_tokens(res.meta_info)
-            self.result.completion_tokens += res.completion_tokens
+            if self.regenerate == "all":
+                row = await self._conversation(item)
+            else:
+                row = await self._last_turn(item)
+            if row is not None:
+                shard.journal.append(row)
+                shard.generated += 1
+                self.result.rows_generated += 1
             self._account(shard, tg)
-            self._feed_canary(row)
+            if row is not None:
+                self._feed_canary(row)
+
+    def _params(self, item: _Item) -> dict[str, Any]:
+        return {**self.request_sampling, "sampling_seed": self.rows.seed(item.row.id, item.sample)}
+
+    async def _generate(self, item: _Item, prompt: str, turn: int) -> GenerateResult | None:
+        """One request of ``item``; None when the prompt is too long (the sample is then rejected)."""
+        try:
+            res = await self.client.generate(prompt, self._params(item),
+                                             rid=request_id(item.row.id, item.sample, turn))
+        except PromptTooLong as exc:
+            at = f" at turn {turn}" if turn else ""
+            self._reject_sample(item, f"prompt too long{at}: {exc.message}", exc.status)
+            return None
+        self._count(item, res)
+        return res
+
+    def _count(self, item: _Item, res: GenerateResult) -> None:
+        """Tokens and latency of one answered request (every request: a discarded truncated answer too)."""
+        shard = item.shard
+        shard.prompt_tokens += res.prompt_tokens
+        shard.completion_tokens += res.completion_tokens
+        shard.latencies.append(res.latency_s)
+        self.result.prompt_tokens += res.prompt_tokens
+        self.result.cached_tokens += _cached_tokens(res.meta_info)
+        self.result.completion_tokens += res.completion_tokens
+
+    def _reject_sample(self, item: _Item, reason: str, status: int | None = None) -> None:
+        # One sample only unless there is one: another sample's conversation may still fit.
+        sample = item.sample if self.samples > 1 else None
+        self._journal_reject(item.shard, item.pos, item.row.line, reason, item.row.raw, row_id=item.row.id,
+                             status=status, sample=sample)
+
+    async def _last_turn(self, item: _Item) -> dict[str, Any] | None:
+        res = await self._generate(item, item.prompt, 0)
+        if res is None:
+            return None
+        res, regenerated = await self._regenerate_truncated(item, res)
+        self.result.rows_capped += res.capped
+        return self.rows.generated(item.row, item.pos, item.prompt, item.think_in_prompt, res, regenerated,
+                                   sample=item.sample)
+
+    async def _conversation(self, item: _Item) -> dict[str, Any] | None:
+        """Every assistant turn of ``item``'s conversation in order, each from the model's own earlier
+        turns; turns journaled by an earlier run are reused, never sent again."""
+        row = item.row
+        messages = [dict(m) for m in row.messages]
+        slots = [len(messages)] if row.prompt is not None else conversation_slots(messages)
+        earlier: list[dict[str, Any]] = []
+        for t, slot in enumerate(slots):
+            last = t == len(slots) - 1
+            done = None if last else item.turns.get(t)
+            if done is None or done.get("message_index") != slot:
+                if t == 0:
+                    prompt, think = item.prompt, item.think_in_prompt
+                else:
+                    rendered, reason = self.rows.render(row, messages[:slot])
+                    if rendered is None:
+                        self._reject_sample(item, f"{reason} (turn {t})")
+                        return None
+                    prompt, think = rendered, self.rows.opens_think(rendered)
+                res = await self._generate(item, prompt, t)
+                if res is None:
+                    return None
+                if last:
+                    return self.rows.generated(row, item.pos, prompt, think, res, sample=item.sample,
+                                               messages=messages, turns=earlier)
+                done = self.rows.turn(row, item.pos, item.sample, t, slot, think, res)
+                item.shard.journal.append(done)
+            earlier.append(done)
+            messages[slot] = {"role": "assistant", "content": str(done["content"])}
+        raise AssertionError("unreachable: the last slot returns")
 
     async def _regenerate_truncated(self, item: _Item, res: GenerateResult) -> tuple[GenerateResult, int]:
         """The answer to store for a row whose first answer is ``res``, and how many times it was
@@ -336,16 +430,18 @@ class InferencePool:
             if nxt is None:
                 break
             try:
-                again = await self.client.generate(item.prompt, capped_sampling(self.request_sampling, nxt),
-                                                   rid=item.row.id)
+                again = await self.client.generate(item.prompt, capped_sampling(self._params(item), nxt),
+                                                   rid=request_id(item.row.id, item.sample, 0))
             except PromptTooLong:  # the larger budget does not fit after all: keep what fits
                 break
             if again.max_new_tokens is not None and again.max_new_tokens <= budget:
                 break  # the server capped it to no more than before: nothing to gain from it
+            self._count(item, again)
             done += 1
             self.result.truncation_retries += 1
             res = again
         return res, done
+
 
 def _cached_tokens(meta: Mapping[str, Any]) -> int:
     """``meta_info.cached_tokens`` (SGLang's prefix-cache hits for the request); 0 when absent."""

@@ -1,16 +1,19 @@
-"""The resume check: a run continues an output only with the sampling and parser its rows hold.
+"""The resume check: a run continues an output only with the sampling, samples per prompt,
+regeneration mode and parser its rows hold.
 
 Rows generated with other sampling parameters, or committed shards split with another reasoning
 parser, would mix with this run's rows and fail the final validation after the whole dataset was
 generated again. ``check_resume`` refuses such a run before any request. The sampling of a
 dataset's rows is recorded in the manifest (``datasets.<name>.sampling``); outputs written before
-that key existed are read from their rows. The parser is read from the newest committed shard:
+that key existed are read from their rows. Samples per prompt and the regeneration mode are recorded
+as ``datasets.<name>.generation``; an output without that key was written with one sample of the
+last turn. The parser is read from the newest committed shard:
 ``datagen resplit`` rewrites the shards, so they, not a record, say how the output is split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -21,10 +24,12 @@ from tasks.shards import InputChanged, Journal, OutputDir
 __all__ = ["check_resume"]
 
 _UNSET = "(unset)"
+# What an output written before ``generation`` was recorded was generated with.
+_OLDER_GENERATION = {"samples": 1, "regenerate": "last"}
 
 
 def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], parser: str | None, *,
-                 record: bool = False) -> None:
+                 record: bool = False, generation: Mapping[str, Any] | None = None) -> None:
     """Refuse to continue ``dataset`` of ``out`` with other sampling or another reasoning parser.
 
     A dataset the output does not hold yet, one with no generated rows and a complete one (nothing
@@ -36,11 +41,14 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
         dataset: the dataset name.
         sampling: this run's sampling parameters.
         parser: this run's reasoning parser (None: no split).
-        record: write ``sampling`` into the dataset's manifest entry once the check passes (needs
-            the output's lock).
+        record: write ``sampling`` and ``generation`` into the dataset's manifest entry once the
+            check passes (needs the output's lock).
+        generation: ``{"samples": N, "regenerate": mode}`` of this run (default: one sample of the
+            last turn).
 
     Raises:
-        InputChanged: the sampling or the parser differs from the rows the output holds.
+        InputChanged: the sampling, samples, regeneration mode or parser differs from the rows the
+            output holds.
         ManifestError: the manifest is unreadable.
     """
     manifest = out.read_manifest()
@@ -55,21 +63,32 @@ def check_resume(out: OutputDir, dataset: str, sampling: Mapping[str, Any], pars
         held = entry.get("sampling")
         if not isinstance(held, dict):
             held = orjson.loads(held_row["sampling"])
-        if held != wanted:
-            keys = sorted(k for k in set(held) | set(wanted) if held.get(k, _UNSET) != wanted.get(k, _UNSET))
-            raise InputChanged(
-                f"sampling of dataset {dataset!r} in {out.path}",
-                {k: held.get(k, _UNSET) for k in keys},
-                {k: wanted.get(k, _UNSET) for k in keys},
-                f"its rows were generated with {held}: rerun with that [sampling] to resume, "
-                f"or write to a new --out",
-            )
+        _refuse_change(f"sampling of dataset {dataset!r} in {out.path}", held, wanted,
+                       lambda keys: f"its rows were generated with {held}: rerun with that [sampling] to resume")
+    generation = dict(generation or _OLDER_GENERATION)
+    if held_row is not None or entry.get("shards"):
+        held_gen = entry.get("generation") if isinstance(entry.get("generation"), dict) else _OLDER_GENERATION
+        _refuse_change(f"samples per prompt / regeneration of dataset {dataset!r} in {out.path}", held_gen,
+                       generation, lambda keys: (
+                           f"its rows were generated with {', '.join(f'{k} = {held_gen.get(k)!r}' for k in keys)}: "
+                           f"rerun with {' '.join(f'--{k} {held_gen.get(k)}' for k in keys)} to resume"))
     if newest is not None and newest["reasoning_parser"] != parser:
         raise InputChanged(f"reasoning parser of dataset {dataset!r} in {out.path}", newest["reasoning_parser"],
                            parser, _parser_advice(out, newest["reasoning_parser"], parser))
-    if record and entry.get("sampling") != wanted:
+    if record and (entry.get("sampling") != wanted or entry.get("generation") != generation):
         entry["sampling"] = wanted
+        entry["generation"] = generation
         out.write_manifest(manifest)
+
+
+def _refuse_change(what: str, held: Mapping[str, Any], wanted: Mapping[str, Any],
+                   advice: Callable[[list[str]], str]) -> None:
+    """Raise ``InputChanged`` naming the keys whose values differ between ``held`` and ``wanted``."""
+    if held == wanted:
+        return
+    keys = sorted(k for k in set(held) | set(wanted) if held.get(k, _UNSET) != wanted.get(k, _UNSET))
+    raise InputChanged(what, {k: held.get(k, _UNSET) for k in keys}, {k: wanted.get(k, _UNSET) for k in keys},
+                       f"{advice(keys)}, or write to a new --out")
 
 
 def _parser_advice(out: OutputDir, held: str | None, wanted: str | None) -> str:
@@ -97,7 +116,7 @@ def _journaled_row(out: OutputDir, dataset: str) -> dict[str, Any] | None:
     for index in out.open_journals(dataset):
         if index in committed:
             continue
-        rows = Journal.read(out.journal_path(dataset, index)).rows
-        if rows:
-            return next(iter(rows.values()))
+        contents = Journal.read(out.journal_path(dataset, index))
+        if contents.rows:
+            return next(iter(contents.rows.values()))
     return None

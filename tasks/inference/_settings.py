@@ -15,9 +15,12 @@ from tasks.inference._client import ClientConfig
 from tasks.inference._order import ORDERS
 from tasks.inference._records import DEFAULT_SAMPLING
 
-__all__ = ["AUTO", "Endpoint", "InferenceSettings"]
+__all__ = ["AUTO", "REGENERATE_MODES", "Endpoint", "InferenceSettings"]
 
 AUTO = "auto"  # reasoning_parser: inferred from the model directory's config
+# "last": the conversation's last assistant turn; "all": every assistant turn, each from the
+# model's own earlier turns.
+REGENERATE_MODES = ("last", "all")
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,12 @@ class InferenceSettings:
             The rows are stored in input order either way.
         order_window: rows per reordering window (None: ``window_for(concurrency)``).
 
+        samples: rows per prompt, each with its own ``sampling_seed`` derived from the base seed
+            (``sampling["sampling_seed"]``, 0 when unset) and the row's ``(id, sample)``.
+        regenerate: one of ``REGENERATE_MODES``.
+
     Raises:
-        ValueError: an unknown ``order`` or an ``order_window`` below 1.
+        ValueError: an unknown ``order`` or an ``order_window`` below 1, ``samples`` below 1, an unknown ``regenerate``.
     """
 
     shard_size: int
@@ -77,12 +84,18 @@ class InferenceSettings:
     truncation: TruncationPolicy = field(default_factory=TruncationPolicy)
     order: str = "prefix"
     order_window: int | None = None
+    samples: int = 1
+    regenerate: str = "last"
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.order_window is not None and self.order_window < 1:
             raise ValueError(f"order_window must be >= 1, got {self.order_window}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.regenerate not in REGENERATE_MODES:
+            raise ValueError(f"regenerate must be one of {', '.join(REGENERATE_MODES)}, got {self.regenerate!r}")
 
     def window_for(self, concurrency: int) -> int:
         """Rows per reordering window: ``order_window``, else 32x the requests in flight, within

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tasks.shards._commit import (
+    reject_units,
     rows_to_table,
 )
 from tasks.shards._errors import (
@@ -23,6 +24,7 @@ from tasks.shards._integrity import (
 )
 from tasks.shards._journal import (
     JOURNAL_FSYNC_INTERVAL_S,
+    WHOLE_RECORD,
     Journal,
     JournalContents,
 )
@@ -58,7 +60,9 @@ __all__ = [
     "ShardRecord",
     "ShardsError",
     "UnrecordedShards",
+    "WHOLE_RECORD",
     "check_dataset_name",
+    "reject_units",
     "rows_to_table",
     "shard_file_name",
     "utc_now_iso",

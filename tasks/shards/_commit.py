@@ -18,21 +18,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.files import append_durable, atomic_write_bytes
-from tasks.schema import PARQUET_COMPRESSION, ROW_SCHEMA
+from tasks.schema import ADDED_DEFAULTS, PARQUET_COMPRESSION, ROW_SCHEMA
 
-__all__ = ["append_rejects", "read_rejects", "rows_to_table", "write_parquet"]
+__all__ = ["append_rejects", "read_rejects", "reject_units", "rows_to_table", "write_parquet"]
 
 _NULLABLE = {f.name: f.nullable for f in ROW_SCHEMA}
 
 
 def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
-    """Build a ROW_SCHEMA table from row dicts (journal form: ``generated_at`` as ISO text).
+    """Build a ROW_SCHEMA table from row dicts (journal form: ``generated_at`` as ISO text); a column
+    of ``ADDED_DEFAULTS`` that a row lacks (journaled by an older datagen) takes its default.
 
     A nullable column a row lacks is null: a journal row written before that column existed (a
     datagen upgrade between a crash and the resume) commits with it unknown instead of failing.
 
     Raises:
-        KeyError: a row lacks a non-nullable column.
+        KeyError: a row lacks a column that has no default and is not nullable.
         pyarrow.ArrowInvalid: a value has the wrong type.
     """
     cols: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
@@ -41,7 +42,8 @@ def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
             if name == "generated_at":
                 values.append(_parse_ts(row[name]))
             else:
-                values.append(row[name] if name in row or not _NULLABLE[name] else None)
+                values.append(row[name] if name in row else ADDED_DEFAULTS[name] if name in ADDED_DEFAULTS
+                              else None if _NULLABLE[name] else row[name])
     return pa.table(cols, schema=ROW_SCHEMA)
 
 
@@ -99,3 +101,9 @@ def read_rejects(path: Path) -> list[dict[str, Any]]:
             with contextlib.suppress(orjson.JSONDecodeError):
                 out.append(orjson.loads(line))
     return out
+
+
+def reject_units(rejects: Iterable[dict[str, Any]], samples: int) -> int:
+    """The ``(record, sample)`` pairs ``rejects`` account for: a reject with a ``sample`` one, a reject of
+    the whole record ``samples``."""
+    return sum(1 if r.get("sample") is not None else samples for r in rejects)

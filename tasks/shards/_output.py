@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from tasks.shards._commit import append_rejects, read_rejects, rows_to_table, write_parquet
+from tasks.shards._commit import append_rejects, read_rejects, reject_units, rows_to_table, write_parquet
 from tasks.shards._errors import DamagedShards, ManifestError, ShardsError, UnrecordedShards
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 from tasks.shards._integrity import ShardDamage, find_damage, uncommit
@@ -213,6 +213,7 @@ class OutputDir:
         input_fingerprint: str,
         shard_size: int,
         slices: Iterable[InputSlice],
+        generation: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Record ``dataset`` with the shard files no manifest records, each proven to be its slice.
 
@@ -227,6 +228,8 @@ class OutputDir:
             input_fingerprint: the input's fingerprint.
             shard_size: input records per shard.
             slices: the input's slices in index order.
+            generation: ``{"samples": N, "regenerate": mode}`` of the run: the files must hold that
+                many samples per record and turns of that mode; recorded with the dataset.
 
         Raises:
             UnrecordedShards: a file is not its slice (lists each; nothing is changed).
@@ -240,20 +243,24 @@ class OutputDir:
         files = shard_files(self.path / dataset)
         if not files:
             return []
+        gen = dict(generation or {"samples": 1, "regenerate": "last"})
         if manifest is None:
             manifest = new_manifest(shard_size)
         check_shard_size(manifest, shard_size, self.path)
-        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset))
+        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset),
+                                             int(gen.get("samples", 1)), str(gen.get("regenerate", "last")))
         if problems:
             raise UnrecordedShards(
                 f"{self.path / dataset} holds {len(files)} shard file(s) that no manifest records "
                 f"({self.manifest_path} is missing or lacks {dataset!r}), and {len(problems)} of them are "
                 f"not this input's slices of {shard_size} records: {'; '.join(problems)}. Nothing was "
                 f"changed. Restore {self.manifest_path.name}, or rerun with the input and --shard-size "
-                f"the output was written with; a shard file moved out of {self.path / dataset} is "
+                f"(and --samples, --regenerate) the output was written with; a shard file moved out of {self.path / dataset} is "
                 f"generated again"
             )
-        bind_dataset(manifest, dataset, input_path, input_fingerprint)
+        entry, _ = bind_dataset(manifest, dataset, input_path, input_fingerprint)
+        if generation is not None:
+            entry["generation"] = gen
         for record in records:
             add_shard(manifest, record)
         self.write_manifest(manifest)
@@ -287,16 +294,19 @@ class OutputDir:
         index: int,
         rows: Iterable[dict[str, Any]] | pa.Table,
         rejects: Iterable[dict[str, Any]] = (),
+        *,
+        samples: int = 1,
     ) -> ShardRecord:
         """Commit shard ``index``: rejects, then Parquet (atomic), then manifest, then drop the journal.
 
-        Needs the lock.
+        Needs the lock. The shard's ``rejects`` count is in ``(record, sample)`` units, like its rows.
 
         Args:
             dataset: an opened dataset.
             index: the shard index.
             rows: row dicts (journal form) or a ROW_SCHEMA table.
             rejects: the shard's reject records.
+            samples: rows per input record: a reject without a ``sample`` stands for that many.
 
         Raises:
             ShardsError: this process does not hold the lock.
@@ -314,7 +324,7 @@ class OutputDir:
         path = self.shard_path(dataset, index)
         digest = write_parquet(path, table)
         record = ShardRecord(dataset, index, str(path.relative_to(self.path)), table.num_rows,
-                             len(reject_list), digest, utc_now_iso(), path)
+                             reject_units(reject_list, samples), digest, utc_now_iso(), path)
         add_shard(manifest, record)
         self.write_manifest(manifest)
         with contextlib.suppress(FileNotFoundError):

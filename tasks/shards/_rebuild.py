@@ -1,8 +1,8 @@
 """Adopting shard files that no manifest records (the manifest was lost), each proven against its input slice.
 
 A file is adopted as shard k only when it is a readable ROW_SCHEMA Parquet file whose rows are the
-usable records of input slice k (every id once, no other) and whose slice's remaining records are
-exactly the dataset's reject lines tagged with shard k; rows, rejects and sha256 are recomputed from
+usable records of input slice k (every ``(id, sample)`` once, no other) and whose slice's remaining
+record samples are exactly the dataset's reject lines tagged with shard k; rows, rejects and sha256 are recomputed from
 the files. One file that fails refuses the whole dataset and changes nothing.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.schema import ROW_SCHEMA
+from tasks.schema import ROW_SCHEMA, conform
 from tasks.shards._fs import shard_file_name, shard_index_of, utc_now_iso
 from tasks.shards._integrity import file_sha256
 from tasks.shards._manifest import ShardRecord
@@ -46,20 +46,23 @@ def shard_files(shard_dir: Path) -> dict[int, Path]:
     return found
 
 
-def _reject_lines(rejects: Iterable[dict[str, Any]]) -> dict[int, list[int]]:
-    by_shard: dict[int, list[int]] = {}
+def _reject_lines(rejects: Iterable[dict[str, Any]]) -> dict[int, list[tuple[int, int | None]]]:
+    """``(line, sample)`` of each reject by shard (sample None: every sample of the record)."""
+    by_shard: dict[int, list[tuple[int, int | None]]] = {}
     for rec in rejects:
         try:
-            by_shard.setdefault(int(rec["shard"]), []).append(int(rec["line"]))
+            sample = None if rec.get("sample") is None else int(rec["sample"])
+            by_shard.setdefault(int(rec["shard"]), []).append((int(rec["line"]), sample))
         except (KeyError, TypeError, ValueError):
             continue
     return by_shard
 
 
-def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[int]) -> tuple[int, str | None]:
+def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int, int | None]],
+           samples: int, regenerate: str) -> tuple[int, str | None]:
     """The row count of the file, and why it is not shard ``s.index`` of this input (None: it is)."""
     try:
-        table = pq.read_table(path)
+        table = conform(pq.read_table(path))
     except (OSError, pa.ArrowException) as exc:
         return 0, f"unreadable Parquet ({exc})"
     if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
@@ -67,19 +70,26 @@ def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[int]) -> 
     ids = [str(i) for i in table.column("id").to_pylist()]
     if set(table.column("dataset").to_pylist()) - {dataset}:
         return table.num_rows, f"it holds rows of another dataset than {dataset!r}"
+    whole = table.column("turns").null_count < table.num_rows  # turns: regenerate="all"
+    if table.num_rows and whole != (regenerate == "all"):
+        return table.num_rows, f"its rows were not generated with --regenerate {regenerate}"
     foreign = [i for i in ids if i not in s.ids]
     if foreign:
         return table.num_rows, (f"{len(foreign)} row id(s) are not records of input slice {s.index} "
                                 f"(e.g. {foreign[0]!r})")
-    covered = [s.ids[i] for i in ids] + reject_lines
-    if len(covered) != len(s.lines) or set(covered) != set(s.lines):
+    covered = [(s.ids[i], int(k)) for i, k in zip(ids, table.column("sample").to_pylist(), strict=True)]
+    for line, sample in reject_lines:
+        covered.extend([(line, sample)] if sample is not None else [(line, k) for k in range(samples)])
+    expected = {(line, k) for line in s.lines for k in range(samples)}
+    if len(covered) != len(expected) or set(covered) != expected:
         return table.num_rows, (f"{len(ids)} rows + {len(reject_lines)} rejects do not account for the "
-                                f"{len(s.lines)} records of input slice {s.index} one to one")
+                                f"{len(s.lines)} records x {samples} samples of input slice {s.index} one to one")
     return table.num_rows, None
 
 
 def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: Iterable[InputSlice],
-                    rejects: Iterable[dict[str, Any]]) -> tuple[list[ShardRecord], list[str]]:
+                    rejects: Iterable[dict[str, Any]], samples: int = 1,
+                    regenerate: str = "last") -> tuple[list[ShardRecord], list[str]]:
     """Check each file of ``files`` against its input slice.
 
     Args:
@@ -88,6 +98,8 @@ def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: It
         files: shard files by index (``shard_files``).
         slices: the input's slices in index order (consumed once; only those in ``files`` are kept).
         rejects: the dataset's reject records.
+        samples: rows per input record.
+        regenerate: the regeneration mode the rows must have been generated with.
 
     Returns:
         The records to commit, and the problems (``shard-NNNNN.parquet: why``); adopt only when
@@ -103,11 +115,12 @@ def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: It
             continue
         seen.add(s.index)
         lines = reject_lines.get(s.index, [])
-        rows, why = _check(path, dataset, s, lines)
+        rows, why = _check(path, dataset, s, lines, samples, regenerate)
         if why is not None:
             problems.append(f"{path.name}: {why}")
             continue
-        records.append(ShardRecord(dataset, s.index, str(path.relative_to(root)), rows, len(lines),
+        units = sum(1 if sample is not None else samples for _, sample in lines)
+        records.append(ShardRecord(dataset, s.index, str(path.relative_to(root)), rows, units,
                                    file_sha256(path), utc_now_iso(), path))
     for index in sorted(set(files) - seen):
         problems.append(f"{shard_file_name(index)}.parquet: the input has no slice {index}")

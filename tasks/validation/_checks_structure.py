@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 
 from tasks.schema import ROW_SCHEMA
 from tasks.validation._results import Check, Context
-from tasks.validation._stats import Stats, counts, duplicates, needs, ranges, requires, short
+from tasks.validation._stats import Stats, counts, duplicates, needs, ranges, requires, row_keys, short
 from tasks.validation._thresholds import Thresholds
 
 
@@ -45,7 +45,7 @@ def judge_schema(s: Stats, ctx: Context, thr: Thresholds) -> Check:
 # unique ids ---------------------------------------------------------------------------------------
 @requires("id")
 def measure_unique(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
-    extra, examples = duplicates(table.column("id"))
+    extra, examples = duplicates(row_keys(table))
     return {"rows": table.num_rows, "duplicates": extra, "examples": examples}
 
 
@@ -55,10 +55,10 @@ def judge_unique(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         return Check(
             "unique_ids", "fail", s["duplicates"], 0,
             f"{s['duplicates']} duplicate rows in {s['rows']} rows of {ctx.label} (ids {ids}); a resume "
-            f"re-ran committed rows: keep one row per id (rerun the affected shards)",
+            f"re-ran committed rows: keep one row per id and sample (rerun the affected shards)",
             s["duplicates"], s["rows"],
         )
-    return Check("unique_ids", "pass", 0, 0, f"{s['rows']} distinct ids", 0, s["rows"])
+    return Check("unique_ids", "pass", 0, 0, f"{s['rows']} distinct (id, sample) keys", 0, s["rows"])
 
 
 # fingerprint --------------------------------------------------------------------------------------

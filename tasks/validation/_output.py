@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.files import atomic_write_json
+from tasks.schema import conform
 from tasks.validation._checks import judge_all, measure_all
 from tasks.validation._checks_structure import judge_provenance, judge_unique
 from tasks.validation._errors import BadOutput
@@ -25,7 +26,7 @@ from tasks.validation._results import (
     ShardValidation,
     ValidationReport,
 )
-from tasks.validation._stats import Stats, duplicates, merge, needs, ranges, short
+from tasks.validation._stats import Stats, duplicates, merge, needs, ranges, row_keys, short
 from tasks.validation._thresholds import Thresholds
 
 MANIFEST_NAME = "_manifest.json"
@@ -69,12 +70,20 @@ def _shard_file(out_dir: Path, dataset: str, index: int, info: Mapping[str, Any]
     return direct if direct.exists() or len(path.parts) > 1 else out_dir / dataset / path
 
 
+def _samples_of(entry: Mapping[str, Any]) -> int:
+    """Rows per input record of a dataset (1 for an output that does not record it)."""
+    gen = entry.get("generation")
+    n = gen.get("samples") if isinstance(gen, dict) else None
+    return n if isinstance(n, int) and n >= 1 else 1
+
+
 def _slice_size(manifest: Mapping[str, Any], entry: Mapping[str, Any], index: int) -> int | None:
+    """Rows + rejects shard ``index`` holds: its slice's records times the samples per record."""
     size = manifest.get("shard_size")
     total = entry.get("total_rows")
     if not isinstance(size, int) or not isinstance(total, int):
         return None
-    return max(0, min(size, total - index * size))
+    return max(0, min(size, total - index * size)) * _samples_of(entry)
 
 
 def _sha256(path: Path) -> str:
@@ -92,21 +101,22 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------------------- shards
 def _complete_check(rows: int, info: Mapping[str, Any], expected: int | None, shard_size: Any,
-                    file_hash_ok: bool | None, ctx: Context) -> Check:
+                    file_hash_ok: bool | None, ctx: Context, samples: int = 1) -> Check:
     rejects = int(info.get("rejects") or 0)
     problems = []
     if isinstance(info.get("rows"), int) and info["rows"] != rows:
         problems.append(f"manifest says {info['rows']} rows, the file holds {rows}")
     if file_hash_ok is False:
         problems.append("the file's sha256 differs from the manifest (changed after commit)")
-    if expected is None and isinstance(shard_size, int) and rows + rejects >= shard_size:
+    if expected is None and isinstance(shard_size, int) and rows + rejects >= shard_size * samples:
         # Input not read to the end yet (total_rows unknown): a full slice is still provably complete.
-        expected = shard_size
+        expected = shard_size * samples
     missing = None if expected is None else expected - rows - rejects
     if missing:
         word = "missing from" if missing > 0 else "too many in"
+        per = f" ({samples} samples per record)" if samples > 1 else ""
         problems.insert(0, f"{abs(missing)} input rows {word} {ctx.label}: {rows} rows + {rejects} rejects, "
-                           f"the slice holds {expected}")
+                           f"the slice holds {expected}{per}")
     if problems:
         advice = ("; the shard was committed incomplete or edited: rerun it (the journal resumes by id)"
                   if file_hash_ok is not False else
@@ -135,7 +145,7 @@ def _samples(table: pa.Table, ctx: Context, k: int = 3, width: int = 160) -> lis
 def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, index: int,
                     thr: Thresholds, *, with_samples: bool = False
                     ) -> tuple[ShardValidation, pa.ChunkedArray | None]:
-    """The shard's validation, and its ``id`` column for the dataset's cross-shard duplicate check."""
+    """The shard's validation, and its row keys for the dataset's cross-shard duplicate check."""
     entry = _dataset_entry(manifest, dataset, out_dir)
     info = (entry.get("shards") or {}).get(str(index))
     if not isinstance(info, dict):
@@ -143,7 +153,7 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     path = _shard_file(out_dir, dataset, index, info)
     ctx = Context(dataset=dataset, shard_index=index, out_dir=str(out_dir))
     try:
-        table = pq.read_table(path)
+        table = conform(pq.read_table(path))  # a shard of an older datagen: one sample, last turn
     except (OSError, pa.ArrowException) as exc:
         check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; run "
                       f"`datagen repair {out_dir}` to un-commit it: the next run generates it again")
@@ -154,11 +164,11 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     if isinstance(info.get("sha256"), str):
         hash_ok = _sha256(path) == info["sha256"]
     checks.insert(1, _complete_check(table.num_rows, info, _slice_size(manifest, entry, index),
-                                     manifest.get("shard_size"), hash_ok, ctx))
+                                     manifest.get("shard_size"), hash_ok, ctx, _samples_of(entry)))
     result = ShardValidation(dataset, index, str(path), table.num_rows, checks, stats=stats)
     if with_samples:
         result.samples = _samples(table, ctx)
-    return result, (table.column("id") if needs(table, "id") is None else None)
+    return result, (row_keys(table) if needs(table, "id", "sample") is None else None)
 
 
 def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
@@ -194,8 +204,10 @@ def _dataset_complete(name: str, entry: Mapping[str, Any], shards: list[ShardVal
         pending = sorted(set(range(num_shards)) - {s.shard_index for s in shards})
         problems.append(f"{num_shards - committed} of {num_shards} shards of {name} not committed "
                         f"(shards {ranges(pending[:20])}); finish the run (`datagen run` resumes)")
-    if isinstance(total_rows, int) and committed == num_shards and rows + rejects != total_rows:
-        problems.append(f"{rows} rows + {rejects} rejects in {name}, the input has {total_rows}")
+    samples = _samples_of(entry)
+    if isinstance(total_rows, int) and committed == num_shards and rows + rejects != total_rows * samples:
+        per = f" x {samples} samples" if samples > 1 else ""
+        problems.append(f"{rows} rows + {rejects} rejects in {name}, the input has {total_rows}{per}")
     bad_shards = [s.shard_index for s in shards if any(c.name == "complete" and c.status == "fail" for c in s.checks)]
     if bad_shards:
         problems.append(f"shards {ranges(bad_shards)} incomplete")

@@ -127,15 +127,31 @@ def counts(col: pa.ChunkedArray) -> dict[str, int]:
     }
 
 
+_KEY_SEP = "\x1f"  # between id and sample in a row key: a control character no id is expected to hold
+
+
+def row_keys(table: pa.Table) -> pa.ChunkedArray:
+    """Each row's key ``(id, sample)`` as one string: the id for sample 0 (and for a table without
+    the ``sample`` column), else id and sample joined by a control character."""
+    ids = table.column("id")
+    if "sample" not in table.column_names:
+        return ids
+    sample = table.column("sample")
+    if not pc.any(pc.fill_null(pc.not_equal(sample, 0), False)).as_py():
+        return ids  # one sample: the ids are the keys (no string built per row)
+    joined = pc.binary_join_element_wise(ids, pc.cast(sample, pa.string()), _KEY_SEP)
+    return pc.if_else(pc.fill_null(pc.equal(sample, 0), True), ids, joined)
+
+
 def duplicates(ids: pa.ChunkedArray | pa.Array) -> tuple[int, list[str]]:
-    """(rows beyond the first per id, a few duplicated ids)."""
+    """(rows beyond the first per key, a few duplicated keys as ``id`` or ``id#sample``)."""
     distinct = pc.count_distinct(ids, mode="all").as_py()
     extra = len(ids) - int(distinct)
     if extra == 0:
         return 0, []
     vc = pc.value_counts(ids)
     dup = vc.field("values").filter(pc.greater(vc.field("counts"), 1))
-    return extra, [str(v) for v in dup.slice(0, MAX_EXAMPLES).to_pylist()]
+    return extra, [str(v).replace(_KEY_SEP, "#") for v in dup.slice(0, MAX_EXAMPLES).to_pylist()]
 
 
 # -------------------------------------------------------------------------------------------- judges

@@ -4,7 +4,6 @@ the ad-hoc partition runs on one GPU and completes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from emulator.simgpu import ENV_VAR, SimGpus
+from emulator.simgpu import SimGpus
 from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
+from tests.support.runs import cli_env
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -26,10 +26,7 @@ def test_input_run_on_a_two_gpu_host_completes_on_one_gpu(tmp_path: Path) -> Non
     inp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Q{i}?"}]}) + "\n"
                            for i in range(12)))
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
-    env.update({ENV_VAR: str(gpus.path)}, PREFECT_HOME=str(tmp_path / "prefect"), DATAGEN_RUN_DIR=str(tmp_path / "run"),
-               DATAGEN_STATE_DIR=str(tmp_path / "state"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+    env = cli_env(tmp_path, gpus.path)
     res = subprocess.run([DATAGEN, "run", "--input", str(inp), "--model-path", str(REPO_ROOT / "data/models/demo"),
                           "--backend", "emulator", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=400, stdin=subprocess.DEVNULL)

@@ -190,7 +190,7 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
                for p in pq.read_table(f, columns=["reasoning_parser"]).column("reasoning_parser").to_pylist()}
     assert parsers == {"qwen3"}
     rerun = {r["id"]: r for f in (out / "prompts").glob("shard-*.parquet") for r in pq.read_table(f).to_pylist()}
-    for row_id, row in journaled.items():  # kept, not generated again, and split with qwen3
+    for (row_id, _sample), row in journaled.items():  # kept, not generated again, and split with qwen3
         assert rerun[row_id]["raw"] == row["raw"] and rerun[row_id]["latency_s"] == row["latency_s"]
         assert rerun[row_id]["reasoning"] and rerun[row_id]["think_in_prompt"]
     _assert_nothing_left(model, sim, out)

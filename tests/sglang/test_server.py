@@ -32,6 +32,7 @@ from tasks.inference import (
     RequestRejected,
     engine_of,
 )
+from tasks.inference._rows import derive_seed, request_id
 from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
 from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
 
@@ -195,6 +196,17 @@ def test_unknown_sampling_key_is_rejected_by_the_server(live: Live) -> None:
         _generate(live, PROMPT, {"max_new_tokens": 4, "seed": 1}, "row-seed")
     assert info.value.status == 400
     assert "seed" in info.value.message
+
+
+def test_the_derived_sampling_seed_is_the_parameter_sglang_takes(live: Live) -> None:
+    # what a row of sample 1 sends: the derived seed under SGLang's own name, in its int64 range
+    seed = derive_seed(0, "row", 1)
+    res = _generate(live, PROMPT, {"max_new_tokens": 4, "temperature": 0.7, "sampling_seed": seed},
+                    request_id("row", 1))
+    assert res.rid == "row#s1" and res.completion_tokens >= 1
+    with pytest.raises(RequestRejected) as info:
+        _generate(live, PROMPT, {"max_new_tokens": 4, "sampling_seed": 2**63}, "row-big-seed")
+    assert info.value.status == 400 and "sampling_seed" in info.value.message
 
 
 def test_unknown_sampling_key_is_refused_when_the_config_loads(tiny_model: Path, tmp_path: Path) -> None:

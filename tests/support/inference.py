@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ShardProgress, run_dataset
+from tasks.schema import conform
 from tasks.shards import Journal, OutputDir, ShardRecord
 from tests.support.emulator import DEMO_MODEL
 from tests.support.paths import REPO_ROOT
@@ -41,6 +42,50 @@ def write_input(path: Path, n: int, *, bad_at: tuple[int, ...] = (), long_at: tu
             f.write(json.dumps({"id": f"q{i:05d}", "messages": [{"role": "user", "content": words}]}) + "\n")
             ids.append(f"q{i:05d}")
     return ids
+
+
+def write_conversations(path: Path, n: int, *, turns: int = 3) -> list[str]:
+    """JSONL with ``n`` conversations ``c00000``... of ``turns`` user/assistant exchanges (a system
+    turn first); the model regenerates ``turns`` assistant turns of each."""
+    ids = []
+    with open(path, "w") as f:
+        for i in range(n):
+            messages = [{"role": "system", "content": "You answer briefly."}]
+            for t in range(turns):
+                messages += [{"role": "user", "content": f"conversation {i} question {t}"},
+                             {"role": "assistant", "content": f"original answer {t}"}]
+            f.write(json.dumps({"id": f"c{i:05d}", "messages": messages}) + "\n")
+            ids.append(f"c{i:05d}")
+    return ids
+
+
+def committed_rows(out: Path, dataset: str = "ds", columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """The committed rows of ``dataset`` in shard order (``columns`` only, when given); shards of an
+    older datagen read with the defaults of the columns added since."""
+    rows: list[dict[str, Any]] = []
+    for rec in OutputDir(out).committed_shards(dataset):
+        table = conform(pq.read_table(rec.path))
+        rows.extend((table.select(columns) if columns else table).to_pylist())
+    return rows
+
+
+def committed_keys(out: Path, dataset: str = "ds") -> list[tuple[str, int]]:
+    """The sorted ``(id, sample)`` keys of the committed rows, duplicates kept."""
+    return sorted((r["id"], r["sample"]) for r in committed_rows(out, dataset, ["id", "sample"]))
+
+
+def turns_on_disk(out: Path, dataset: str = "ds") -> int:
+    """Turns of whole conversations done: in committed rows and journaled rows (each ``turns`` plus
+    its last turn) and journaled turns of unfinished conversations."""
+    o = OutputDir(out)
+    committed = o.committed_indices(dataset)
+    n = sum(len(r["turns"]) + 1 for r in committed_rows(out, dataset, ["turns"]))
+    for k in o.open_journals(dataset):
+        if k not in committed:
+            contents = Journal.read(o.journal_path(dataset, k))
+            n += sum(len(r["turns"]) + 1 for r in contents.rows.values())
+            n += sum(len(t) for key, t in contents.turns.items() if key not in contents.rows)
+    return n
 
 
 def committed_ids(out: Path, dataset: str = "ds") -> list[str]:
@@ -100,19 +145,21 @@ a = json.loads(sys.argv[1])
 settings = InferenceSettings(model_dir=a["model"], shard_size=a["shard"], concurrency=a["conc"],
                              sampling=a["sampling"], run_info={"flow_run": a.get("flow_run")},
                              client=ClientConfig(max_attempts=3, backoff_base_s=0.02),
-                             truncation=TruncationPolicy(**a["truncation"]))
+                             truncation=TruncationPolicy(**a["truncation"]),
+                             samples=a.get("samples", 1), regenerate=a.get("regenerate", "last"))
 r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], Endpoint(a["url"], "test-server"), settings)
 print(json.dumps(r.to_dict()), flush=True)
 """
 
 
 def start_driver(inp: Path, out: Path, url: str, *, shard: int, conc: int = 32, flow_run: str | None = None,
-                 sampling: dict[str, Any] | None = None,
-                 truncation: dict[str, Any] | None = None) -> subprocess.Popen[bytes]:
+                 sampling: dict[str, Any] | None = None, truncation: dict[str, Any] | None = None,
+                 samples: int = 1, regenerate: str = "last") -> subprocess.Popen[bytes]:
     """``run_dataset`` in a child process (``truncation``: TruncationPolicy's fields)."""
     args = json.dumps({"input": str(inp), "out": str(out), "url": url, "model": str(DEMO_MODEL),
                        "shard": shard, "conc": conc, "flow_run": flow_run,
-                       "sampling": sampling or {"max_new_tokens": 64}, "truncation": truncation or {}})
+                       "sampling": sampling or {"max_new_tokens": 64}, "truncation": truncation or {},
+                       "samples": samples, "regenerate": regenerate})
     return subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=str(REPO), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 

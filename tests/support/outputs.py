@@ -25,7 +25,7 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_prompt: bool = False,
-             raw: str | None = None) -> dict[str, Any]:
+             raw: str | None = None, sample: int = 0) -> dict[str, Any]:
     """One consistent row: raw with a think block, split by ``parser``, plausible token counts."""
     if raw is None:
         body = f"Let me think about question {i}. The user asks for a sum; two plus two is four."
@@ -63,17 +63,21 @@ def make_row(dataset: str, i: int, *, parser: str | None = "qwen3", think_in_pro
         "chat_template_hash": TEMPLATE_HASH,
         "run_id": "run-1",
         "attempt": 1,
+        "sample": sample,
+        "sampling_seed": None,
+        "turns": None,
     }
 
 
 def write_output(out: Path, datasets: dict[str, list[list[dict[str, Any]]]], *, shard_size: int,
                  total_rows: dict[str, int] | None = None, rejects: dict[str, dict[int, int]] | None = None,
                  num_shards: dict[str, int] | None = None, schema: pa.Schema = ROW_SCHEMA,
-                 table_hook: Callable[[pa.Table], pa.Table] | None = None) -> Path:
+                 table_hook: Callable[[pa.Table], pa.Table] | None = None, samples: int | None = None) -> Path:
     """Write shards (a list of row lists per dataset), rejects and the manifest; return ``out``.
 
     ``total_rows`` defaults to the rows written plus rejects; ``rejects[dataset][shard] = n`` writes n
-    reject lines for that shard. ``table_hook`` may alter each table before it is written.
+    reject lines for that shard. ``table_hook`` may alter each table before it is written. ``samples``
+    records that many samples per record in the manifest (``total_rows`` then counts records).
     """
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"version": 1, "shard_size": shard_size, "datasets": {}}
@@ -99,7 +103,9 @@ def write_output(out: Path, datasets: dict[str, list[list[dict[str, Any]]]], *, 
                 "committed_at": NOW.isoformat(),
             }
             written += table.num_rows + n_rej
-        entry["total_rows"] = (total_rows or {}).get(name, written)
+        if samples is not None:
+            entry["generation"] = {"samples": samples, "regenerate": "last"}
+        entry["total_rows"] = (total_rows or {}).get(name, written // (samples or 1))
         entry["num_shards"] = (num_shards or {}).get(name, len(shards))
         manifest["datasets"][name] = entry
         (out / "_rejects").mkdir(exist_ok=True)

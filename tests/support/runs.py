@@ -4,16 +4,28 @@ records it leaves, rows done so far, and the exactly-once check of its Parquet o
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from emulator.simgpu import ENV_VAR
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.1",
             "--emu-output-tokens", "24", "--emu-health-timeout", "1"]
+
+
+def cli_env(tmp: Path, sim_gpus: Path) -> dict[str, str]:
+    """The environment of a `datagen` subprocess: this one without PREFECT_/DATAGEN_ settings, its
+    Prefect home, run and state folders under ``tmp``, and the simulated GPUs file ``sim_gpus``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
+    env.update({ENV_VAR: str(sim_gpus)}, PREFECT_HOME=str(tmp / "prefect"), DATAGEN_RUN_DIR=str(tmp / "run"),
+               DATAGEN_STATE_DIR=str(tmp / "state"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+    return env
 
 
 def _dataset(path: Path, name: str, n: int) -> list[str]:

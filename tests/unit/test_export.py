@@ -249,3 +249,49 @@ def test_resplit_with_a_damaged_shard_changes_nothing(wrong_split_output: Path) 
     proc = _datagen("resplit", str(wrong_split_output), "--parser", "qwen3")
     assert proc.returncode == 2 and "shard-00001.parquet does not match the manifest" in proc.stderr
     assert (shard0.read_bytes(), (wrong_split_output / "_manifest.json").read_bytes()) == before
+
+
+def _conversation_row(sample: int) -> dict[str, Any]:
+    """A row of a conversation regenerated whole: turn 0 of the model at messages[2], then the last."""
+    row = _row(0, "<think>\nlast plan\n</think>\n\nlast answer", reasoning="\nlast plan\n",
+               content="\n\nlast answer", messages=[
+                   {"role": "system", "content": "S"}, {"role": "user", "content": "Q0"},
+                   {"role": "assistant", "content": f"\n\nfirst answer {sample}"}, {"role": "user", "content": "Q1"}])
+    turn = {"message_index": 2, "raw": f"<think>\nfirst plan\n</think>\n\nfirst answer {sample}",
+            "reasoning": "\nfirst plan\n", "content": f"\n\nfirst answer {sample}", "finish_reason": "stop",
+            "prompt_tokens": 5, "completion_tokens": 9, "latency_s": 0.25}
+    return {**row, "sample": sample, "sampling_seed": 100 + sample, "turns": [turn]}
+
+
+def test_export_of_samples_and_whole_conversations_in_each_format(tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    out = OutputDir(out_dir)
+    with out.lock({"flow_run": "test"}):
+        out.open_dataset("ds", input_path="in.jsonl", input_fingerprint="abc", shard_size=1)
+        manifest = out.read_manifest()
+        manifest["datasets"]["ds"]["generation"] = {"samples": 2, "regenerate": "all"}
+        out.write_manifest(manifest)
+        out.commit_shard("ds", 0, [_conversation_row(0), _conversation_row(1)], samples=2)
+        out.set_dataset_totals("ds", 1)
+    sharegpt = list(iter_export(out_dir, "sharegpt"))
+    assert [(r["id"], r["sample"]) for r in sharegpt] == [("r0", 0), ("r0", 1)]
+    assert sharegpt[1] == {"id": "r0", "sample": 1, "conversations": [
+        {"from": "system", "value": "S"}, {"from": "human", "value": "Q0"},
+        {"from": "gpt", "value": "<think>\nfirst plan\n</think>\n\nfirst answer 1"},
+        {"from": "human", "value": "Q1"},
+        {"from": "gpt", "value": "<think>\nlast plan\n</think>\n\nlast answer"}]}
+    openai = list(iter_export(out_dir, "openai-messages"))
+    assert openai[0] == {"id": "r0", "sample": 0, "messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q0"},
+        {"role": "assistant", "content": "first answer 0", "reasoning_content": "first plan"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "last answer", "reasoning_content": "last plan"}]}
+    specforge = list(iter_export(out_dir, "specforge"))
+    assert specforge[0]["conversations"][2] == {"role": "assistant", "content": "first answer 0",
+                                                "reasoning_content": "first plan"}
+    assert [len(r["conversations"]) for r in specforge] == [5, 5]
+    # one-sample datasets keep their records as they were: no "sample" key
+    manifest = _manifest(out_dir)
+    manifest["datasets"]["ds"]["generation"]["samples"] = 1
+    (out_dir / "_manifest.json").write_text(json.dumps(manifest))
+    assert "sample" not in next(iter_export(out_dir, "specforge"))

@@ -145,9 +145,27 @@ def test_overrides(tmp_path: Path) -> None:
         ({"mem_fraction_static": 0.0}, "override: mem_fraction_static"),
         ({"server_url": "localhost:30000"}, "override: server_url: 'localhost:30000' is not an http"),
         ({"reasoning_parser": "bogus"}, "unknown reasoning parser 'bogus'"),
+        ({"samples": 0}, "override: samples: 0 is not a positive integer"),
+        ({"regenerate": "first"}, "override: regenerate: 'first' is not one of 'last', 'all'"),
     ]:
         with pytest.raises(ConfigError, match=fragment):
             cfg.with_overrides(Overrides(**kwargs))
+
+
+def test_samples_and_regenerate_from_the_file_and_overrides(tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    cfg = load_partition(_write(tmp_path, BASE))
+    assert (cfg.samples, cfg.regenerate) == (1, "last")
+    cfg = load_partition(_write(tmp_path, BASE + '[run]\nsamples = 4\nregenerate = "all"\n'))
+    assert (cfg.samples, cfg.regenerate) == (4, "all")
+    assert cfg.to_summary()["samples"] == 4 and cfg.to_summary()["regenerate"] == "all"
+    o = cfg.with_overrides(Overrides(samples=2, regenerate="last"))
+    assert (o.samples, o.regenerate) == (2, "last")
+    for body, fragment in [("[run]\nsamples = 0\n", "run.samples: 0 is not a positive integer"),
+                           ('[run]\nsamples = "3"\n', "run.samples: '3' is not a positive integer"),
+                           ('[run]\nregenerate = "every"\n', "run.regenerate: 'every' is not one of 'last', 'all'")]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_partition(_write(tmp_path, BASE + body))
 
 
 def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,9 +213,9 @@ def test_every_flow_parameter_is_an_override_and_every_override_a_flow_parameter
 
 def test_cli_options_are_the_overrides() -> None:
     args = build_parser().parse_args(["--input", "x.jsonl", "--shard-size", "3", "--mem-fraction-static", "0.7",
-                                      "--reasoning-parser", "qwen3"])
+                                      "--reasoning-parser", "qwen3", "--samples", "4", "--regenerate", "all"])
     assert overrides_of(args) == Overrides(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
-                                           reasoning_parser="qwen3")
+                                           reasoning_parser="qwen3", samples=4, regenerate="all")
     dests = {a.dest for a in build_parser()._actions} - {"help", "partition"}
     assert dests == set(Overrides.names())
 
@@ -331,7 +349,7 @@ def _config_error(tmp_path: Path, body: str) -> str:
         (BASE + "[sampling]\ntempreature = 0.6\n", "sampling.tempreature: unknown key (SGLang's sampling parameters: "),
         (BASE + "[sampling]\ntop_p = 0\n", "sampling.top_p: 0 is out of range (0, 1]"),
         (BASE + "[sampling]\ntop_k = 0\n", "sampling.top_k: 0 must be -1 (the whole vocabulary) or at least 1"),
-        (BASE + "[sampling]\nn = 2\n", "sampling.n: 2 must be 1 (datagen keeps one answer per prompt)"),
+        (BASE + "[sampling]\nn = 2\n", "sampling.n: 2 must be 1 (for several samples per prompt set run.samples)"),
         (BASE + '[sampling]\nstop = ["a", 3]\n', "sampling.stop: ['a', 3] must be a non-empty string or a list of them"),
         (BASE + '[sampling]\nstop_regex = "(a"\n', "sampling.stop_regex: '(a' pattern '(a' is not a regular expression: "),
         (BASE + "[sampling]\nmin_new_tokens = 50\nmax_new_tokens = 10\n",

@@ -64,7 +64,8 @@ def test_a_lost_manifest_with_a_shard_that_is_not_its_slice_refuses_and_keeps_ev
         f"{out / 'ds'} holds 4 shard file(s) that no manifest records ({out / '_manifest.json'} is missing or "
         f"lacks 'ds'), and 1 of them are not this input's slices of 16 records: shard-00002.parquet: 16 row "
         f"id(s) are not records of input slice 2 (e.g. 'q00048'). Nothing was changed. Restore "
-        f"_manifest.json, or rerun with the input and --shard-size the output was written with; a shard "
+        f"_manifest.json, or rerun with the input and --shard-size (and --samples, --regenerate) the output "
+        f"was written with; a shard "
         f"file moved out of {out / 'ds'} is generated again")
     assert _files(out) == files and not (out / "_manifest.json").exists()
     assert metrics(emulator.url)["num_requests_total"] == before

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.schema import ROW_SCHEMA
-from tasks.shards import InputChanged, Journal, OutputDir, OutputLocked, ShardsError
+from tasks.shards import WHOLE_RECORD, InputChanged, Journal, OutputDir, OutputLocked, ShardsError
 
 
 def _row(i: int, pos: int | None = None) -> dict:
@@ -90,13 +90,14 @@ def test_journal_torn_line_and_duplicates(tmp_path):
         f.write(orjson.dumps(_row(1)) + b"\n")  # duplicate: ignored
         f.write(orjson.dumps(_row(3))[:40])  # torn by a kill mid-write
     c = Journal.read(path)
-    assert sorted(c.rows) == ["r0", "r1"] and list(c.rejects) == [2] and c.torn_lines == 1
-    assert c.positions == {0, 1, 2}
+    assert sorted(c.rows) == [("r0", 0), ("r1", 0)] and list(c.rejects) == [(2, WHOLE_RECORD)]
+    assert c.torn_lines == 1
+    assert c.units == {(0, 0), (1, 0)} and c.whole_rejects == {2}
     # appending after a torn tail starts a fresh line, so the new record is readable
     j2 = Journal(path)
     j2.append(_row(4))
     j2.close()
-    assert sorted(Journal.read(path).rows) == ["r0", "r1", "r4"]
+    assert sorted(Journal.read(path).rows) == [("r0", 0), ("r1", 0), ("r4", 0)]
 
 
 def test_recover_cleans_temp_orphan_parquet_stale_journal_and_rejects(tmp_path):

@@ -147,7 +147,7 @@ def test_duplicates_across_shards(tmp_path):
     assert checks["unique_ids"].value == 1
     assert checks["unique_ids"].message == (
         "1 duplicate rows in 100 rows of glaive (ids glaive-000003); a resume re-ran committed rows: "
-        "keep one row per id (rerun the affected shards)")
+        "keep one row per id and sample (rerun the affected shards)")
     assert report.verdict == "fail"
 
 
@@ -496,3 +496,37 @@ def test_volume_gate_empty_or_mostly_rejected_input_fails(tmp_path, rows, reject
     if status == "fail":
         assert report.verdict == "fail"
     assert Thresholds.from_dict({"min_rows": 0, "reject_max_rate": 1.0}).min_rows == 0
+
+
+# ------------------------------------------------------------------------------------------- samples
+def _sampled(n: int, samples: int, start: int = 0) -> list[dict]:
+    return [make_row("glaive", i, sample=k) for i in range(start, start + n) for k in range(samples)]
+
+
+def test_samples_count_toward_the_slice_and_duplicates_are_per_id_and_sample(tmp_path):
+    out = write_output(tmp_path / "ok", {"glaive": [_sampled(10, 3), _sampled(4, 3, 10)]}, shard_size=10, samples=3)
+    report = validate_output(out, write=False)
+    assert report.verdict == "pass"
+    assert total(report)["complete"].message == "2 of 2 shards, 42 rows + 0 rejects"
+    # a sample missing from a shard
+    short = _sampled(10, 3)
+    del short[4]
+    out = write_output(tmp_path / "short", {"glaive": [short]}, shard_size=10, samples=3, total_rows={"glaive": 10})
+    shard = validate_output(out, write=False).datasets[0].shards[0]
+    assert by_name(shard.checks)["complete"].message.startswith(
+        "1 input rows missing from shard 0 of glaive: 29 rows + 0 rejects, the slice holds 30 (3 samples per record)")
+    # sample 1 of a prompt twice, sample 2 missing: a duplicate of (id, sample), not of id
+    dup = _sampled(10, 3)
+    dup[5] = make_row("glaive", 1, sample=1)
+    out = write_output(tmp_path / "dup", {"glaive": [dup]}, shard_size=10, samples=3)
+    checks = total(validate_output(out, write=False))
+    assert checks["unique_ids"].status == "fail" and "(ids glaive-000001#1)" in checks["unique_ids"].message
+
+
+def test_a_shard_of_the_older_schema_is_read_with_defaults(tmp_path):
+    older = pa.schema([f for f in ROW_SCHEMA if f.name not in ("sample", "sampling_seed", "turns")])
+    rows = [{k: v for k, v in r.items() if k in older.names} for r in clean_rows("glaive", 20)]
+    out = write_output(tmp_path / "out", {"glaive": [rows]}, shard_size=20, schema=older)
+    report = validate_output(out, write=False)
+    assert report.verdict == "pass"
+    assert total(report)["schema"].status == "pass"

@@ -1,0 +1,50 @@
+"""`datagen run --samples N --regenerate all` through the flow against the emulator: one row per
+(id, sample) with every assistant turn regenerated, validated, then `datagen export` in each format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emulator.simgpu import SimGpus
+from tasks.export import FORMATS
+from tests.support.inference import committed_keys, committed_rows, write_conversations
+from tests.support.paths import REPO_ROOT
+from tests.support.runs import cli_env
+
+pytestmark = pytest.mark.slow
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+
+
+def test_run_with_samples_and_whole_conversations_then_export_each_format(tmp_path: Path) -> None:
+    gpus = SimGpus.init(tmp_path / "sim-gpus.json", count=1)
+    inp = tmp_path / "chats.jsonl"
+    ids = write_conversations(inp, 7, turns=2)
+    out = tmp_path / "out"
+    env = cli_env(tmp_path, gpus.path)
+    res = subprocess.run([DATAGEN, "run", "--input", str(inp), "--model-path", str(REPO_ROOT / "data/models/demo"),
+                          "--backend", "emulator", "--out", str(out), "--shard-size", "3", "--samples", "2",
+                          "--regenerate", "all"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"completed: 14 rows in {out}" in res.stdout
+    assert committed_keys(out, "chats") == sorted((i, k) for i in ids for k in range(2))
+    rows = committed_rows(out, "chats", ["messages", "turns"])
+    assert all([t["message_index"] for t in row["turns"]] == [2] for row in rows)
+    assert all(row["messages"][2]["content"] == row["turns"][0]["content"] for row in rows)
+
+    for fmt in FORMATS:
+        target = tmp_path / f"{fmt}.jsonl"
+        res = subprocess.run([DATAGEN, "export", str(out), "--format", fmt, "--out", str(target),
+                              "--include-truncated"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        records = [json.loads(line) for line in target.read_text().splitlines()]
+        assert sorted((r["id"], r["sample"]) for r in records) == sorted((i, k) for i in ids for k in range(2))
+        turns = records[0]["conversations" if fmt != "openai-messages" else "messages"]
+        # system, user, the model's turn, user, the model's last turn
+        assert len(turns) == 5 and not any("original answer" in str(t) for t in turns)
