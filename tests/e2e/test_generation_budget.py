@@ -39,9 +39,11 @@ def _stored(out: Path) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def _natural(url: str, prompt: str) -> dict[str, Any]:
-    """The emulator's whole answer to ``prompt`` (its text does not depend on the budget)."""
-    r = httpx.post(url + "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2000}},
+def _natural(url: str, prompt: str, seed: int | None) -> dict[str, Any]:
+    """The emulator's whole answer to ``prompt`` with the row's ``sampling_seed`` (its text does not
+    depend on the budget)."""
+    r = httpx.post(url + "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2000,
+                                                                               "sampling_seed": seed}},
                    timeout=30, trust_env=False)
     r.raise_for_status()
     body: dict[str, Any] = r.json()
@@ -87,7 +89,7 @@ def test_truncated_rows_are_generated_again_with_a_larger_budget_and_validation_
     assert sorted(rows) == ids
     outcome: dict[str, str] = {}
     for row_id, row in rows.items():
-        whole = _natural(em.url, row["prompt"])
+        whole = _natural(em.url, row["prompt"], row["sampling_seed"])
         n = whole["meta_info"]["completion_tokens"]
         # 8 tokens first; a row cut there is generated once more with 32; the first answer is not stored
         expected = (0, 8, "stop") if n <= 8 else (1, 32, "stop") if n <= 32 else (1, 32, "length")
