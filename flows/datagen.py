@@ -153,8 +153,9 @@ def _finish(ctx: RunContext, progress: Progress, fleet: Fleet, latest: str | Non
     progress.close("failed" if error is not None else "done", name)
     verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
     reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""
+    gpus = max(1, sum(len(member.gpus) for _, member in fleet.members))  # held_s: their mean time held
     summary = RunSummary.of(progress, verdict=verdict, out_dir=str(ctx.plan.out_dir), latest=latest,
-                            gpus=1, held_s=sum(fleet.gpu_seconds.values()) if ctx.launches else None,
+                            gpus=gpus, held_s=sum(fleet.gpu_seconds.values()) / gpus if ctx.launches else None,
                             relaunches=sum(fleet.relaunched.values()),
                             max_relaunches=ctx.cfg.max_relaunches * max(1, len(fleet.members)),
                             price=ctx.cfg.price_per_gpu_hour, reason=reason)

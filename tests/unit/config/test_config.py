@@ -177,19 +177,20 @@ def test_api_key_from_env_never_in_summary(monkeypatch: pytest.MonkeyPatch) -> N
     assert cfg.api_key() is None
 
 
-def test_max_relaunches_documented_as_one_budget_per_run() -> None:
-    # The flow counts relaunches once per run, across datasets (tests/test_flow_recovery.py): the
-    # docs and every bundled partition that sets the key must say so, not suggest a per-dataset count.
+def test_max_relaunches_documented_as_one_budget_per_server() -> None:
+    # The flow counts relaunches once per server for the whole run, across datasets
+    # (tests/e2e/test_flow_recovery.py): the docs and every bundled partition that sets the key must
+    # say so, not suggest a per-dataset count.
     readme = (ROOT / "README.md").read_text()
     doc = " ".join(readme[readme.index("## Configuration"):readme.index("## Architecture")].split())
-    assert "`run.max_relaunches` is a budget per run, not per dataset" in doc
+    assert "`run.max_relaunches` is a budget per server, not per dataset" in doc
     assert "all of the partition's datasets share it" in doc
     files = sorted((ROOT / "deployments").glob("*.toml"))
     with_key = [f for f in files if re.search(r"^max_relaunches\s*=", f.read_text(), re.M)]
     assert {f.stem for f in with_key} >= {"all", "demo", "glaive_like", "opencode_like"}
     for f in with_key:
         (line,) = [ln for ln in f.read_text().splitlines() if ln.startswith("max_relaunches")]
-        assert "# server relaunches per run: one budget shared by all datasets" in line, f.name
+        assert "# relaunches per server: one budget shared by all datasets" in line, f.name
         assert load_partition(f.stem).max_relaunches == 3
 
 
