@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from datagen._prefect_api import PrefectApi
 from tasks.errors import DatagenError
 
 __all__ = ["AUTOMATION_NAME", "NOTIFY_ENV", "NotifyError", "ensure_failure_automation", "failure_automation"]
@@ -93,7 +94,7 @@ def ensure_failure_automation(api_url: str, block: str | None) -> dict[str, Any]
         NotifyError: ``block`` is malformed or absent.
         httpx.HTTPError: the API refused or did not answer.
     """
-    with httpx.Client(base_url=api_url.rstrip("/"), timeout=30) as http:
+    with PrefectApi(api_url) as http:
         found = http.post("/automations/filter",
                           json={"automations": {"name": {"any_": [AUTOMATION_NAME]}}}).raise_for_status().json()
         existing = found[0] if found else None

@@ -60,6 +60,7 @@ from datagen._database import (
     without_database_settings,
 )
 from datagen._notify import AUTOMATION_NAME, NOTIFY_ENV, ensure_failure_automation
+from datagen._prefect_api import PrefectApi
 from flows.gpulimit import ensure_limits, limit_name
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
@@ -242,7 +243,7 @@ def _datagen_deployments(http: httpx.Client) -> list[dict[str, Any]]:
 
 def schedule_states(api_url: str) -> dict[str, bool]:
     """``{"<deployment>/<schedule slug or id>": active}`` for every schedule of a datagen deployment."""
-    with httpx.Client(base_url=api_url, timeout=30) as http:
+    with PrefectApi(api_url) as http:
         return {f"{d['name']}/{s.get('slug') or s['id']}": bool(s["active"])
                 for d in _datagen_deployments(http) for s in d.get("schedules") or []}
 
@@ -252,7 +253,7 @@ def apply_schedules(api_url: str, before: dict[str, bool], want: bool | None) ->
     ``before`` the deploy when None (prefect.yaml deploys them inactive, so a fresh server runs
     nothing on its own). Returns the active ones as ``datagen/<deployment> <cron> <tz>``."""
     active_now = []
-    with httpx.Client(base_url=api_url, timeout=30) as http:
+    with PrefectApi(api_url) as http:
         for d in _datagen_deployments(http):
             for s in d.get("schedules") or []:
                 active = before.get(f"{d['name']}/{s.get('slug') or s['id']}", False) if want is None else want

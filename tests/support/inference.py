@@ -178,15 +178,18 @@ def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callab
 
 
 @contextlib.contextmanager
-def canned_server(status: int, body: bytes, seen: list[bytes] | None = None) -> Iterator[str]:
-    """A loopback HTTP server answering every POST with ``status`` and the JSON ``body`` (request bodies
-    appended to ``seen``); yields its base URL and stops it on exit."""
+def canned_server(status: int | list[int], body: bytes, seen: list[bytes] | None = None) -> Iterator[str]:
+    """A loopback HTTP server answering every POST with ``status`` (a list: one status per request in
+    order, the last repeated) and the JSON ``body`` (request bodies appended to ``seen``); yields its
+    base URL and stops it on exit."""
+    statuses = list(status) if isinstance(status, list) else [status]
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
             request = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if seen is not None:
                 seen.append(request)
-            self.send_response(status)
+            self.send_response(statuses.pop(0) if len(statuses) > 1 else statuses[0])
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
