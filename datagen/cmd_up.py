@@ -62,6 +62,7 @@ from datagen._database import (
 from datagen._notify import AUTOMATION_NAME, NOTIFY_ENV, ensure_failure_automation
 from datagen._prefect_api import PrefectApi
 from flows.gpulimit import ensure_limits, limit_name
+from flows.params import form_schema
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
 from tasks.files import atomic_write_json
@@ -267,6 +268,21 @@ def apply_schedules(api_url: str, before: dict[str, bool], want: bool | None) ->
     return sorted(active_now)
 
 
+def apply_parameter_forms(api_url: str) -> int:
+    """Rewrite each datagen deployment's parameter schema for the custom-run form
+    (:func:`flows.params.form_schema`: optional parameters show their type, not "None").
+    Returns how many deployments changed."""
+    changed = 0
+    with PrefectApi(api_url) as http:
+        for d in _datagen_deployments(http):
+            schema = d.get("parameter_openapi_schema") or {}
+            tidy = form_schema(schema)
+            if tidy != schema:
+                http.patch(f"/deployments/{d['id']}", json={"parameter_openapi_schema": tidy}).raise_for_status()
+                changed += 1
+    return changed
+
+
 def _ensure_pools(names: list[str]) -> None:
     from prefect.client.orchestration import get_client  # noqa: PLC0415 (see _setup_api_objects)
     from prefect.client.schemas.actions import WorkPoolCreate  # noqa: PLC0415
@@ -425,6 +441,7 @@ def up(args: argparse.Namespace) -> int:
     if rc != 0:
         raise UpError(f"`prefect --no-prompt deploy --all` exited {rc}:\n{_tail(deploy_log)}")
     print("deployed: " + ", ".join(f"datagen/{d}" for d in deployments))
+    apply_parameter_forms(api_url)
     active = apply_schedules(api_url, schedules_before, args.schedule)
     print("schedules active: " + ", ".join(active) if active else
           "schedules: none active (`datagen up --schedule` or DATAGEN_SCHEDULE=1 turns on the nightly `all`)")

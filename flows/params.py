@@ -8,14 +8,15 @@ parameter is one entry there and one argument of the flow.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import Field
 
 from tasks.reasoning import PARSERS
 
-__all__ = ["PARAMETER_HELP", "Backend", "MemFraction", "PositiveInt", "ReasoningParser", "documented"]
+__all__ = ["PARAMETER_HELP", "Backend", "MemFraction", "PositiveInt", "ReasoningParser", "documented", "form_schema"]
 
 Backend = Literal["sglang", "emulator"]
 if TYPE_CHECKING:
@@ -63,3 +64,30 @@ def documented(fn: F) -> F:
     indent = "    "
     fn.__doc__ = doc + "\n" + "\n".join(indent + line if line else line for line in lines) + "\n"
     return fn
+
+
+def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The deployment parameter schema as the custom-run form should show it.
+
+    Prefect writes an optional parameter (``X | None = None``) as ``anyOf: [X, null]`` with
+    ``default: null``; its form then opens each one on the null branch, which reads "Property is type
+    None" and hides the type, bounds and choices. Here such a parameter becomes plain ``X`` (or
+    ``anyOf`` of its non-null branches) with no default: the form shows an empty typed input, an empty
+    input sends nothing, and the flow keeps the partition's value. The server still accepts an explicit
+    null for a single-type parameter (Prefect allows null for an optional property with no default).
+    Other properties are left as they are; the input is not changed.
+    """
+    out = copy.deepcopy(schema)
+    for prop in (out.get("properties") or {}).values():
+        branches = prop.get("anyOf")
+        if not isinstance(branches, list) or "default" not in prop or prop["default"] is not None:
+            continue
+        typed = [b for b in branches if b != {"type": "null"}]
+        if len(typed) == len(branches) or not typed:
+            continue
+        del prop["default"], prop["anyOf"]
+        if len(typed) == 1:
+            prop.update({k: v for k, v in typed[0].items() if k not in prop})
+        else:
+            prop["anyOf"] = typed
+    return out

@@ -29,6 +29,7 @@ from prefect.variables import Variable
 
 from datagen._notify import AUTOMATION_NAME
 from datagen.cmd_up import apply_schedules
+from flows.params import PARAMETER_HELP
 from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key, variable_name
 from tests.support.browser import SHOTS_ENV, Page
 from tests.support.common import free_port, pid_alive
@@ -315,6 +316,20 @@ def test_browser_artifacts_tab_shows_the_run_summary(stack: dict[str, Any], runs
     browser.open(f"http://127.0.0.1:{stack['port']}/artifacts/artifact/{summary['id']}")
     browser.wait_text("rows")
     browser.shot("run-summary")
+
+
+def test_browser_custom_run_form_shows_each_parameter_typed_with_its_description(stack: dict[str, Any],
+                                                                                 browser: Page) -> None:
+    (demo,) = [d for d in stack["api"].http.post("/deployments/filter", json={}).json() if d["name"] == "demo"]
+    props = demo["parameter_openapi_schema"]["properties"]
+    assert not [n for n, p in props.items() if {"type": "null"} in p.get("anyOf", [])]  # `up` rewrote the form
+    browser.open(f"http://127.0.0.1:{stack['port']}/deployments/deployment/{demo['id']}/run")
+    text = browser.wait_text(PARAMETER_HELP["regenerate"], scroll=True)
+    assert "Property is type" not in text
+    for name, help_text in PARAMETER_HELP.items():
+        assert f"{name} (Optional)" in text and help_text in text, name
+    assert "qwen3-thinking" in text and "emulator" in text  # the choices of reasoning_parser and backend
+    browser.shot("custom-run")
 
 
 def test_browser_failed_validation_run(stack: dict[str, Any], runs: dict[str, str], browser: Page) -> None:

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from prefect.exceptions import ParameterTypeError
 from prefect.utilities.callables import parameter_schema
+from prefect.utilities.schema_tools.validation import ValidationError, validate
 
 from flows import logs
 from flows.datagen import datagen, flow_run_name
 from flows.eta import EtaInputs, row_rate, steady_rate
-from flows.params import PARAMETER_HELP
+from flows.params import PARAMETER_HELP, form_schema
 from flows.progress import Progress
 from flows.stages import gpu_label
 from flows.summary import RunSummary
@@ -39,6 +40,33 @@ def test_every_flow_parameter_has_a_type_a_default_and_a_description_and_choices
     assert (variant("mem_fraction_static")["exclusiveMinimum"], variant("mem_fraction_static")["exclusiveMaximum"]) == (0, 1)
     assert variant("shard_size")["minimum"] == 1 and variant("concurrency")["minimum"] == 1
     assert props["partition"] == {**props["partition"], "type": "string", "default": "all"}
+
+
+def test_the_form_schema_shows_each_optional_parameter_by_its_type_and_the_server_still_validates() -> None:
+    raw = parameter_schema(datagen).model_dump()
+    form = form_schema(raw)
+    props = form["properties"]
+    assert raw["properties"]["shard_size"]["anyOf"][1] == {"type": "null"}  # the input is left as it was
+    assert list(props) == list(PARAMETER_HELP)
+    for name, p in props.items():
+        assert p["description"] == PARAMETER_HELP[name] and p["title"] == name, name
+        assert {"type": "null"} not in p.get("anyOf", []), name  # no "Property is type None" branch
+    assert props["partition"] == raw["properties"]["partition"]  # a real default stays
+    assert props["shard_size"] == {"type": "integer", "minimum": 1, "title": "shard_size", "position": 6,
+                                   "description": PARAMETER_HELP["shard_size"]}
+    assert props["backend"]["enum"] == ["sglang", "emulator"] and "default" not in props["backend"]
+    assert props["reasoning_parser"]["enum"] == sorted(PARSERS)
+    assert (props["mem_fraction_static"]["exclusiveMinimum"], props["mem_fraction_static"]["exclusiveMaximum"]) == (0, 1)
+    assert props["inputs"]["type"] == "array" and props["inputs"]["items"] == {"type": "string"}
+    assert [b["type"] for b in props["server_url"]["anyOf"]] == ["string", "array"]
+    assert form_schema(form) == form
+    # What the API server checks when a run is created from the deployment (ignore_required, as it does).
+    for ok in ({}, {"shard_size": 5, "backend": "emulator"}, {"shard_size": None}, {"server_url": ["http://h:1"]}):
+        validate(ok, form, raise_on_error=True, ignore_required=True)
+    for bad, field in (({"shard_size": 0}, "shard_size"), ({"backend": "vllm"}, "backend"),
+                       ({"mem_fraction_static": 1.0}, "mem_fraction_static")):
+        with pytest.raises(ValidationError, match=field):
+            validate(bad, form, raise_on_error=True, ignore_required=True)
 
 
 def test_out_of_bounds_and_unknown_choices_are_refused_before_the_run() -> None:
