@@ -329,6 +329,7 @@ def test_browser_custom_run_form_shows_each_parameter_typed_with_its_description
     for name, help_text in PARAMETER_HELP.items():
         assert f"{name} (Optional)" in text and help_text in text, name
     assert "qwen3-thinking" in text and "emulator" in text  # the choices of reasoning_parser and backend
+    browser.show("shard_size (Optional)")
     browser.shot("custom-run")
 
 
