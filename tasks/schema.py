@@ -8,6 +8,7 @@ exported as it is. A row's key is ``(id, sample)``.
 
 from __future__ import annotations
 
+import orjson
 import pyarrow as pa
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -62,11 +63,31 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 
-# What a row written before a column existed holds in it (one sample, no seed sent, last turn only).
-ADDED_DEFAULTS: dict[str, object] = {"sample": 0, "sampling_seed": None, "turns": None}
+# What a row written before a column existed holds in it: the budget it was sent (read back from its
+# `sampling` JSON, see ``added_value``), never capped or retried, no truncation policy; provenance
+# unknown (null is "not a value" to the provenance check); one sample, no seed sent, last turn only.
+# The first release wrote the 17 columns from `id` to `latency_s`; every column after them is here.
+ADDED_DEFAULTS: dict[str, object] = {
+    "max_new_tokens": None, "budget_capped": False, "truncation_retries": 0, "truncation_policy": None,
+    "model_revision": None, "engine": None, "engine_version": None, "chat_template_hash": None,
+    "run_id": None, "attempt": None,
+    "sample": 0, "sampling_seed": None, "turns": None,
+}
 
 COLUMNS = tuple(ROW_SCHEMA.names)
 PARQUET_COMPRESSION = "zstd"
+
+
+def added_value(name: str, sampling: object) -> object:
+    """What a row written before column ``name`` existed holds in it; ``sampling`` is the row's
+    `sampling` JSON text (the sampling_params it was sent), which gives back its ``max_new_tokens``."""
+    if name == "max_new_tokens" and isinstance(sampling, str):
+        try:
+            value = orjson.loads(sampling).get("max_new_tokens")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return ADDED_DEFAULTS[name]
 
 
 def conform(table: pa.Table) -> pa.Table:
@@ -75,9 +96,11 @@ def conform(table: pa.Table) -> pa.Table:
     missing = [name for name in ADDED_DEFAULTS if name not in table.column_names]
     if not missing:
         return table
+    sampling = (table.column("sampling").to_pylist() if "sampling" in table.column_names
+                else [None] * table.num_rows)
     for name in missing:
         field = ROW_SCHEMA.field(name)
-        table = table.append_column(field, pa.array([ADDED_DEFAULTS[name]] * table.num_rows, type=field.type))
+        table = table.append_column(field, pa.array([added_value(name, s) for s in sampling], type=field.type))
     order = [n for n in ROW_SCHEMA.names if n in table.column_names]
     return table.select(order + [n for n in table.column_names if n not in ROW_SCHEMA.names])
 

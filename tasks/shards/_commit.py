@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.files import append_durable, atomic_write_bytes
-from tasks.schema import ADDED_DEFAULTS, PARQUET_COMPRESSION, ROW_SCHEMA
+from tasks.schema import ADDED_DEFAULTS, PARQUET_COMPRESSION, ROW_SCHEMA, added_value
 
 __all__ = ["append_rejects", "read_rejects", "reject_units", "rows_to_table", "write_parquet"]
 
@@ -42,7 +42,8 @@ def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
             if name == "generated_at":
                 values.append(_parse_ts(row[name]))
             else:
-                values.append(row[name] if name in row else ADDED_DEFAULTS[name] if name in ADDED_DEFAULTS
+                values.append(row[name] if name in row else added_value(name, row.get("sampling"))
+                              if name in ADDED_DEFAULTS
                               else None if _NULLABLE[name] else row[name])
     return pa.table(cols, schema=ROW_SCHEMA)
 

@@ -15,7 +15,7 @@ import pytest
 from tasks.export import export
 from tasks.inference import conversation_slots, derive_seed
 from tasks.prompts import ChatTemplate
-from tasks.schema import ADDED_DEFAULTS
+from tasks.schema import ADDED_DEFAULTS, conform
 from tasks.shards import InputChanged, OutputDir, UnrecordedShards
 from tasks.validation import validate_output
 from tests.support.emulator import DEMO_MODEL
@@ -41,12 +41,14 @@ def emulator(sim_gpus, emulator_factory):
 
 
 def _stop_after_one_shard(inp, out, url, **settings) -> None:
-    """A run of shards of 8 stopped once its first shard committed."""
+    """A run of shards of 8 stopped once its first shard committed (2 requests in flight, so that the
+    later shards are not all generated, and committed, before the gate's exception stops the run)."""
     def gate(rec):
         raise Stop(f"stop after shard {rec.index}")
 
     with pytest.raises(Stop):
-        run(inp, out, url, shard=8, on_shard_committed=gate, **settings)
+        run(inp, out, url, shard=8, on_shard_committed=gate, concurrency=2, **settings)
+    assert not OutputDir(out).read_manifest()["datasets"]["ds"].get("complete")
 
 
 def _checks(report) -> dict[str, str]:
@@ -168,6 +170,10 @@ def test_an_output_of_the_older_schema_resumes_validates_and_exports(tmp_path, e
     assert committed_keys(out) == sorted((i, 0) for i in ids)
     checks = _checks(validate_output(out, write=False))
     assert checks["complete"] == "pass" and checks["unique_ids"] == "pass" and checks["schema"] == "pass"
+    assert checks["provenance"] == "pass"  # the older shard's unknown provenance is no second value
+    old = conform(pq.read_table(rec.path))  # the shard written by the "older datagen", as read now
+    assert old.column("max_new_tokens").to_pylist() == [64] * old.num_rows  # from its `sampling` JSON
+    assert set(old.column("budget_capped").to_pylist()) == {False} and set(old.column("model_revision").to_pylist()) == {None}
     sink = io.StringIO()
     assert export(out, "openai-messages", sink, include_truncated=True).rows == 30
     assert all("sample" not in json.loads(line) for line in sink.getvalue().splitlines())  # one sample: as before
