@@ -19,6 +19,7 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import migrated_home
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
@@ -33,7 +34,7 @@ def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
     env.update(
         DATAGEN_SIM_GPUS=os.environ["DATAGEN_SIM_GPUS"],
-        PREFECT_HOME=str(tmp / "prefect"),
+        PREFECT_HOME=str(migrated_home(tmp / "prefect")),
         DATAGEN_STATE_DIR=str(tmp / "state"),
         DATAGEN_RUN_DIR=str(tmp / "run"),  # never pick up a `make up` server of the checkout
         PREFECT_SERVER_ANALYTICS_ENABLED="false",

@@ -22,6 +22,7 @@ from emulator.simgpu import SimGpus
 from tasks.shards import Journal, OutputDir
 from tasks.validation import validate_shard
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import migrated_home
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
@@ -87,7 +88,7 @@ def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
     env.update(
         DATAGEN_SIM_GPUS=str(tmp / "sim-gpus.json"),
-        PREFECT_HOME=str(tmp / "prefect"),
+        PREFECT_HOME=str(migrated_home(tmp / "prefect")),
         DATAGEN_STATE_DIR=str(tmp / "state"),
         DATAGEN_RUN_DIR=str(tmp / "run"),  # never pick up a `make up` server of the checkout
         PREFECT_SERVER_ANALYTICS_ENABLED="false",

@@ -22,6 +22,7 @@ import pytest
 from emulator.simgpu import ENV_VAR, SimGpus
 from tests.support.common import pid_alive
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import migrated_home
 from tests.support.runs import FAST_EMU, assert_exactly_once, done_rows, partition, records
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ SLOW_DECODE = ["--emu-decode-ms-per-step", "25"]
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
     """No Prefect server anywhere: `datagen run` must start (and own) its API server."""
     SimGpus.init(tmp / "sim-gpus.json", count=2)
-    env = dict(os.environ, PREFECT_HOME=str(tmp / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    env = dict(os.environ, PREFECT_HOME=str(migrated_home(tmp / "prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                DO_NOT_TRACK="1", DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
                **{ENV_VAR: str(tmp / "sim-gpus.json")})
     env.pop("PREFECT_API_URL", None)

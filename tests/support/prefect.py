@@ -1,13 +1,21 @@
 """A real Prefect server for the session (``prefect server start`` on a free loopback port, SQLite under a
 temporary PREFECT_HOME, analytics off), stopped by pid at the end: the ``prefect_server`` fixture.
+
+``migrated_home(dest)``: a fresh PREFECT_HOME whose SQLite database is already at Prefect's schema
+head, copied from one migrated once per test session. A plain `datagen run` starts Prefect's
+ephemeral API on its PREFECT_HOME, and on an empty one it first runs every database migration
+(about 6 s here, more under load); the tests that give each run its own home copy this instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +50,27 @@ class PrefectServer:
         )
         env.update(extra)
         return env
+
+
+_TEMPLATE: list[Path] = []  # the migrated home of this session, made on first use
+
+
+def migrated_home(dest: Path) -> Path:
+    """``dest`` made a PREFECT_HOME holding a migrated, empty SQLite database (what an empty home
+    holds after its first run's migrations) unless it holds a database already; returns ``dest``. The template is made once per session
+    by ``prefect server database upgrade -y`` and removed at exit."""
+    if not _TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="datagen-prefect-home-"))
+        atexit.register(shutil.rmtree, template, True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(PREFECT_HOME=str(template), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+        done = subprocess.run([str(VENV_BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0 and (template / "prefect.db").is_file(), done.stdout + done.stderr
+        _TEMPLATE.append(template)
+    if not (dest / "prefect.db").exists():  # a home in use is left as it is
+        shutil.copytree(_TEMPLATE[0], dest, dirs_exist_ok=True)
+    return dest
 
 
 class PrefectApi:
