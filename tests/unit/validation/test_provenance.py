@@ -74,13 +74,17 @@ def test_null_template_of_pre_rendered_prompts_is_no_mix(tmp_path):
     assert provenance(report, "glaive").status == "pass" and report.verdict == "pass"
 
 
-def test_shard_of_the_older_schema_fails_schema_and_leaves_provenance_unknown(tmp_path):
+def test_shard_of_the_older_schema_passes_schema_and_its_null_provenance_is_no_mix(tmp_path):
+    # A shard written before the provenance columns existed is conformed (tasks.schema.ADDED_DEFAULTS:
+    # null provenance), so it validates; beside a newer shard its nulls are "not a value", not a mix.
     older = pa.schema([f for f in ROW_SCHEMA if f.name not in ("model_revision", "chat_template_hash")])
-    out = write_output(tmp_path / "out", {"glaive": [rows("glaive", 0, 5)]}, shard_size=5,
-                       table_hook=lambda t: t.select(older.names))
-    checks = {c.name: c for c in validate_output(out).datasets[0].shards[0].checks}
-    assert checks["schema"].status == "fail"
-    assert "column 'model_revision' missing" in checks["schema"].message
-    assert checks["provenance"].status == "unknown"
-    assert checks["provenance"].message == ("cannot check: provenance columns missing (written by an older "
-                                            "datagen)")
+    out = write_output(tmp_path / "out", {"glaive": [rows("glaive", 0, 5), rows("glaive", 5, 5)]},
+                       shard_size=5, table_hook=lambda t: t.select(older.names) if t["id"][0].as_py()
+                       == "glaive-0" else t)
+    report = validate_output(out)
+    first, second = ({c.name: c for c in shard.checks} for shard in report.datasets[0].shards)
+    assert first["schema"].status == "pass", first["schema"]
+    assert second["schema"].status == "pass", second["schema"]
+    assert provenance(report, "glaive").status == "pass"
+    assert provenance(report, "glaive").message == "one model revision and chat template"
+    assert report.verdict == "pass"
