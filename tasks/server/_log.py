@@ -54,13 +54,20 @@ class Failure:
         return asdict(self)
 
 
+_SIGKILLED = ("a scheduler was killed (SIGKILL, most likely the kernel's OOM killer: see `dmesg`) while it "
+              "started: free host RAM or start fewer servers on this host")
+# Matched only right after a line that names a dead scheduler (see _names_dead_scheduler).
+_DEAD_SCHEDULER_SIGKILL = re.compile(r"\bExit code: -9\b")
 _RAISE_FRACTION = "the KV cache pool does not fit in the static memory: raise --mem-fraction-static"
 _LOWER_FRACTION = "too little GPU memory left for CUDA graphs and activations: lower --mem-fraction-static"
 
 # Checked in this order: the first rule whose pattern matches any line wins. Specific causes come
 # before the OOM family because an OOM can be a consequence (e.g. a port clash never is).
 _RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
-    ("port_in_use", re.compile(r"address already in use|\[Errno 98\]", re.I),
+    # The OS's wording, and SGLang's own port check ("rpc_port at N is not available in 30 seconds.
+    # rpc_port is used by a process already.") for --port and the ports derived from it.
+    ("port_in_use", re.compile(r"address already in use|\[Errno 98\]|EADDRINUSE|"
+                               r"is not available in \d+ seconds|is used by a process already", re.I),
      "the port is taken by another process: stop it or choose another --port"),
     ("bad_flag", re.compile(r"error: (unrecognized arguments|argument |the following arguments are required)"),
      "SGLang rejected a command-line flag: fix or remove it in the server config (extra_args)"),
@@ -71,12 +78,17 @@ _RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
         r"Unrecognized model in |"
         r"No such file or directory: .*(config\.json|model)", re.I),
      "the model path does not exist or is not a model directory on the target: check model_path"),
+    # A gated Hugging Face repository the credentials given cannot read: as permanent as a missing one.
+    ("model_not_found", re.compile(r"GatedRepoError|Cannot access gated repo|access a gated repo", re.I),
+     "the model repository is gated: request access on Hugging Face and give the server an HF_TOKEN "
+     "that has it (or point model_path at a local copy)"),
     ("host_memory", re.compile(r"Not enough host memory"),
      "not enough host RAM for the hierarchical cache: lower --hicache-size/--hicache-ratio or free RAM"),
     # The engine names the OOM killer as the likely cause of a scheduler SIGKILLed while it starts.
-    ("host_memory", re.compile(r"scheduler died during initialization \(exit code: -9\)"),
-     "a scheduler was killed (SIGKILL, most likely the kernel's OOM killer: see `dmesg`) while it started: "
-     "free host RAM or start fewer servers on this host"),
+    # The multimodal (diffusion) runtime says it in two lines: "Rank 0 scheduler is dead." then
+    # "Exit code: -9" (matched on the second line, when a dead scheduler was just named).
+    ("host_memory", re.compile(r"scheduler died during initialization \(exit code: -9\)"), _SIGKILLED),
+    ("host_memory", _DEAD_SCHEDULER_SIGKILL, _SIGKILLED),
     ("too_low", re.compile(
         r"Not enough memory\. Please try to increase --mem-fraction-static|"
         r"Loaded weights leave no GPU memory for the KV cache|"
@@ -85,7 +97,10 @@ _RULES: list[tuple[FailureKind, re.Pattern[str], str]] = [
         r"leaves no room for the full KV pool|cannot fit ONE worst-case request).*(increase|Raise) "
         r"--mem-fraction-static"), _RAISE_FRACTION),
     # The token allocator found the KV pool full: a bigger pool helps, a smaller one makes it worse.
-    ("kv_pool_exhausted", re.compile(r"(Prefill|Decode) out of memory\. Try to lower your batch size"),
+    # The request-slot pool likewise: "alloc_req_slots runs out of memory. Please set a smaller number
+    # for `--max-running-requests`".
+    ("kv_pool_exhausted", re.compile(r"(Prefill|Decode) out of memory\. Try to lower your batch size|"
+                                     r"runs out of memory\. Please set a smaller number for .--max-running-requests"),
      "the KV cache pool ran out of free tokens for the running requests (not GPU memory): lower "
      "--max-running-requests or --chunked-prefill-size, or raise --mem-fraction-static; never lower it"),
     # "Capture cuda graph failed: <cause>" is memory only when the cause is an OOM (matched here);
@@ -122,6 +137,8 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
         for i in order:
             line = lines[i]
             if pattern.search(line):
+                if pattern is _DEAD_SCHEDULER_SIGKILL and not _names_dead_scheduler(lines[max(0, i - 3):i]):
+                    continue
                 if kind == "too_high" and _loading_weights(lines[:i]):
                     # Weights load before the static pool is sized: no fraction changes this.
                     return Failure("weights_too_big", _WEIGHTS_EXPLANATION, line.strip()[:500])
@@ -134,6 +151,11 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
     status = "unknown" if exit_status is None else str(exit_status)
     return Failure("unknown", f"the server stopped (exit status {status}) for a reason not recognised: "
                    "read the log tail", evidence.strip()[:500])
+
+
+def _names_dead_scheduler(before: list[str]) -> bool:
+    """Whether the lines just before an "Exit code: -9" say a scheduler died (not some other child)."""
+    return any("scheduler is dead" in ln for ln in before)
 
 
 def _suggested_fraction(line: str) -> float | None:

@@ -187,3 +187,16 @@ def test_effective_fraction_reads_the_forms_sglang_0_5_23_prints() -> None:
     said = FILES[0].parent / "real_cpu_weights_leave_no_kv.log"
     assert effective_fraction(_read(said)[1]) == 1e-06
     assert effective_fraction("server_args={'model_path': '/m', 'mem_fraction_static': 0.716, 'tp_size': 1}") == 0.716
+
+
+def test_a_sigkill_is_host_memory_only_when_a_dead_scheduler_is_named() -> None:
+    assert classify_failure("[12-16 14:27:10] Exit code: -9", None).kind == "unknown"
+    named = "[12-16 14:27:08] Rank 0 scheduler is dead. Please check if there are relevant logs.\n" \
+            "[12-16 14:27:10] Exit code: -9"
+    assert classify_failure(named, 1).kind == "host_memory"
+
+
+def test_a_gated_model_is_permanent_and_names_the_token() -> None:
+    failure = classify_failure("Cannot access gated repo for url https://huggingface.co/m/resolve/main/config.json.", 1)
+    assert failure.kind == "model_not_found" and "HF_TOKEN" in failure.explanation
+    assert not LaunchFailed(failure, "").retryable
