@@ -34,8 +34,11 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not slow"
 
+# Two pytest-xdist workers, whole files per worker (module fixtures stay shared): most of the e2e
+# time is waiting on servers and runs, so two files at a time use the two cores. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/run.py

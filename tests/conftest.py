@@ -1,5 +1,9 @@
 """Shared fixtures live in tests/support/*, one module per area, loaded as plugins here."""
 
+import os
+import shutil
+import tempfile
+
 import psutil
 
 pytest_plugins = [
@@ -12,9 +16,28 @@ pytest_plugins = [
     "tests.support.browser",
 ]
 
+# Each test session (each xdist worker) gets its own datagen state and run directories unless the
+# caller set them: slot leases, learned fractions and API-server records of one session's tests must
+# not meet another session's, nor the developer's own (~/.local/state/datagen, the checkout's .run).
+# An xdist worker inherits the controller's environment: a directory made here (marked) is made anew.
+_SESSION_DIRS: list[str] = []
+for _name in ("DATAGEN_STATE_DIR", "DATAGEN_RUN_DIR"):
+    if not os.environ.get(_name) or os.environ.get(f"DATAGEN_TESTS_MADE_{_name}") == os.environ[_name]:
+        _SESSION_DIRS.append(tempfile.mkdtemp(prefix=f"datagen-tests-{_name[8:].lower()}-"))
+        os.environ[_name] = os.environ[f"DATAGEN_TESTS_MADE_{_name}"] = _SESSION_DIRS[-1]
+
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
-    """Last line of defence: report, then end by pid, any process a test left running."""
+    """Last line of defence: report, then end by pid, any process a test left running. Under xdist
+    each worker checks its own tests' processes (the controller's only children are the workers)."""
+    controller = bool(getattr(session.config.option, "numprocesses", None)) and not hasattr(session.config, "workerinput")
+    if not controller:
+        _end_leftovers(session)
+    for d in _SESSION_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _end_leftovers(session) -> None:  # type: ignore[no-untyped-def]
     left = []
     for p in psutil.Process().children(recursive=True):
         try:
