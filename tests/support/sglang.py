@@ -27,7 +27,8 @@ SGLANG_VENV = REPO_ROOT / ".venv-sglang"
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
 MODEL_SCRIPT = REPO_ROOT / "data" / "models" / "make_tiny_model.py"
 # One directory per xdist worker: two workers must not write the same files at once.
-MODEL_DIR = REPO_ROOT / ".run" / f"sglang-tiny-model{'-' + os.environ['PYTEST_XDIST_WORKER'] if os.environ.get('PYTEST_XDIST_WORKER') else ''}"
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+MODEL_DIR = REPO_ROOT / ".run" / (f"sglang-tiny-model-{_WORKER}" if _WORKER else "sglang-tiny-model")
 CONTEXT = 2048  # the tiny model's max_position_embeddings
 KV_TOKENS = 4096
 # CPU device, random weights, a bounded KV pool.

@@ -28,14 +28,13 @@ from tasks.server import (
 )
 from tasks.server._log import log_tail
 from tests.support.common import free_port
-from tests.support.failure_corpus import CORPUS, MOVES_FRACTION, classify_log, fraction_moves
-from tests.support.failure_corpus import read_log as _read
+from tests.support.failure_corpus import CORPUS, MOVES_FRACTION, classify_log, fraction_moves, read_log
 
 FILES = sorted(CORPUS.glob("*.log"))
 
 
 def test_corpus_has_real_runs_and_issue_excerpts() -> None:
-    sources = [_read(f)[0].get("source", "") for f in FILES]
+    sources = [read_log(f)[0].get("source", "") for f in FILES]
     assert len(FILES) >= 15
     assert all(sources)
     assert sum(s.startswith("real run here") for s in sources) >= 4
@@ -185,7 +184,7 @@ def test_runtime_oom_at_the_default_fraction_is_recorded(tmp_path: Path) -> None
 
 def test_effective_fraction_reads_the_forms_sglang_0_5_23_prints() -> None:
     said = FILES[0].parent / "real_cpu_weights_leave_no_kv.log"
-    assert effective_fraction(_read(said)[1]) == 1e-06
+    assert effective_fraction(read_log(said)[1]) == 1e-06
     assert effective_fraction("server_args={'model_path': '/m', 'mem_fraction_static': 0.716, 'tp_size': 1}") == 0.716
 
 
