@@ -183,7 +183,8 @@ def resume_check(ctx: RunContext) -> None:
     """
     out = OutputDir(ctx.plan.out_dir)
     for name in ctx.cfg.datasets:
-        check_resume(out, name, ctx.cfg.sampling, ctx.parser)
+        check_resume(out, name, ctx.cfg.sampling, ctx.parser,
+                     generation={"samples": ctx.cfg.samples, "regenerate": ctx.cfg.regenerate})
 
 
 def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:

@@ -405,6 +405,17 @@ class Dispatcher:
             lane.requests = slot.client.stats.requests
             return res
 
+    async def context_limit(self) -> int | None:
+        """The model's context length, as ``GenerateClient.context_limit``: every server of a
+        partition serves one model, so the first serving server that reports one answers (None:
+        none does). Used by truncation retries, which size the next budget with it."""
+        for slot in list(self._slots.values()):
+            if slot.live:
+                limit = await slot.client.context_limit()
+                if limit is not None:
+                    return limit
+        return None
+
     def _lost(self, slot: _Slot, exc: ServerGone) -> None:
         self._last_error = str(exc)
         if slot.live:

@@ -1,0 +1,165 @@
+"""The generation features as a user runs them: `datagen run --partition P --server-url URL`, the run
+killed with SIGKILL mid-output, then the identical command again. A `--samples 3` run and a
+`--regenerate all` run resume (they were refused: the flow's resume check assumed one sample of the
+last turn), sending exactly the (id, sample) pairs and turns not yet on disk; truncation retries run
+through the dispatcher every flow run uses (they crashed on its first length finish).
+
+The real-SGLang versions of these runs are in tests/sglang/test_user_path.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from emulator.simgpu import SimGpus
+from tasks.shards import OutputDir
+from tests.e2e.test_cli_server_url import _env
+from tests.support.emulator import DEMO_MODEL
+from tests.support.inference import (
+    committed_keys,
+    committed_rows,
+    metrics,
+    rows_on_disk,
+    turns_on_disk,
+    wait_idle,
+    write_conversations,
+    write_input,
+)
+from tests.support.paths import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+
+
+def _partition(tmp: Path, data: Path, *, max_new_tokens: int = 128, extra_run: str = "") -> Path:
+    part = tmp / "partition.toml"
+    part.write_text(f"""
+[datasets]
+ds = "{data}"
+
+[model]
+path = "{DEMO_MODEL}"
+reasoning_parser = "qwen3"
+
+[server]
+backend = "emulator"
+targets = ["local"]
+
+[run]
+shard_size = 4
+concurrency = 4
+{extra_run}
+
+[sampling]
+max_new_tokens = {max_new_tokens}
+temperature = 0.6
+
+[output]
+root = "{tmp / 'unused-root'}"
+versioned = false
+""")
+    return part
+
+
+def _argv(part: Path, url: str, out: Path, *extra: str) -> list[str]:
+    return [DATAGEN, "run", "--partition", str(part), "--server-url", url, "--out", str(out), *extra]
+
+
+def _run(tmp: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO_ROOT, env=_env(tmp), capture_output=True, text=True, timeout=400,
+                          stdin=subprocess.DEVNULL)
+
+
+def _kill_after_first_commit(tmp: Path, argv: list[str], out: Path, reap_pids: list[int]) -> None:
+    """Start the run, SIGKILL it (its process alone, as `kill -9 PID` does) once a shard is committed
+    and before the output completes."""
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_env(tmp), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    reap_pids.append(proc.pid)
+    deadline = time.monotonic() + 240
+    try:
+        while not (out.exists() and OutputDir(out).read_manifest() and OutputDir(out).committed_indices("ds")):
+            assert proc.poll() is None, f"the run exited {proc.returncode} before a shard committed: {proc.stderr.read()[-3000:]}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no shard committed in 240 s"
+            time.sleep(0.05)
+        # what it started (its Prefect API server) is ended by the next run; the fixture reaps it if not
+        reap_pids.extend(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_killed_samples_run_resumes_with_the_identical_command(tmp_path: Path, sim_gpus: SimGpus,
+                                                               emulator_factory, reap_pids) -> None:
+    data = tmp_path / "prompts.jsonl"
+    ids = write_input(data, 24)  # 6 shards of 4 prompts, 3 samples each: 72 rows
+    out = tmp_path / "out"
+    em = emulator_factory(["--emu-decode-ms-per-step", "8", "--emu-output-tokens", "40"])
+    argv = _argv(_partition(tmp_path, data), em.url, out, "--samples", "3")
+
+    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    done = rows_on_disk(out, "ds")
+    assert 12 <= done < 72
+    sent_before = wait_idle(em.url)["num_requests_total"]  # the killed run's requests drained
+
+    again = _run(tmp_path, argv)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"completed: 72 rows in {out}" in again.stdout
+    assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(3))
+    # exactly the (id, sample) pairs not on disk were asked for: no pair twice, none lost
+    assert metrics(em.url)["num_requests_total"] - sent_before == 72 - done
+
+
+def test_killed_whole_conversation_run_resumes_with_the_identical_command(
+        tmp_path: Path, sim_gpus: SimGpus, emulator_factory, reap_pids) -> None:
+    data = tmp_path / "chats.jsonl"
+    ids = write_conversations(data, 16, turns=3)  # 4 shards, 2 samples, 3 turns a conversation: 96 turns
+    out = tmp_path / "out"
+    em = emulator_factory(["--emu-decode-ms-per-step", "8", "--emu-output-tokens", "40"])
+    argv = _argv(_partition(tmp_path, data), em.url, out, "--samples", "2", "--regenerate", "all")
+
+    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    turns_done = turns_on_disk(out, "ds")
+    assert 24 <= turns_done < 96
+    sent_before = wait_idle(em.url)["num_requests_total"]  # the killed run's requests drained
+
+    again = _run(tmp_path, argv)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"completed: 32 rows in {out}" in again.stdout
+    assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(2))
+    # journaled turns are never sent again: one request per turn not on disk
+    assert metrics(em.url)["num_requests_total"] - sent_before == 96 - turns_done
+    for row in committed_rows(out, "ds", ["messages", "turns", "content"]):
+        assert [t["message_index"] for t in row["turns"]] == [2, 4]  # every earlier assistant turn, in order
+        assert [row["messages"][t["message_index"]]["content"] for t in row["turns"]] == \
+            [t["content"] for t in row["turns"]]
+
+
+def test_truncation_retries_through_the_run_regenerate_length_finishes(
+        tmp_path: Path, sim_gpus: SimGpus, emulator_factory) -> None:
+    data = tmp_path / "prompts.jsonl"
+    ids = write_input(data, 8)
+    out = tmp_path / "out"
+    # answers of 20-60 tokens: every one finishes by length at 12, some at 36, none at 108
+    em = emulator_factory(["--emu-decode-ms-per-step", "1", "--emu-output-tokens", "40"])
+    part = _partition(tmp_path, data, max_new_tokens=12, extra_run="truncation = { factor = 3.0, max_new_tokens = 108 }")
+    res = _run(tmp_path, _argv(part, em.url, out, "--truncation-retries", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"completed: 8 rows in {out}" in res.stdout
+    rows = committed_rows(out, "ds", ["id", "finish_reason", "max_new_tokens", "truncation_retries"])
+    assert sorted(r["id"] for r in rows) == ids
+    assert {r["finish_reason"] for r in rows} == {"stop"}
+    assert {r["truncation_retries"] for r in rows} <= {1, 2}
+    assert all(r["max_new_tokens"] == 12 * 3 ** r["truncation_retries"] for r in rows)
+    # one request per row, plus one per regeneration
+    assert metrics(em.url)["num_requests_total"] == 8 + sum(r["truncation_retries"] for r in rows)
