@@ -16,7 +16,13 @@ from typing import Any
 
 import orjson
 
-__all__ = ["ContextOverflow", "TruncationPolicy", "capped_sampling"]
+__all__ = ["SCHEDULER_RESERVE", "ContextOverflow", "TruncationPolicy", "capped_sampling"]
+
+# SGLang's scheduler bounds a request's budget silently, after the tokenizer manager accepted it:
+# ``max_new_tokens <= max_req_len - input_len - 1`` with ``max_req_len = context_len - 1`` (0.5.23,
+# managers/scheduler.py and tp_worker.py). So near the context it generates 2 tokens fewer than the
+# ``context - prompt`` the 400 message allows; a budget sized with this reserve is one it honours.
+SCHEDULER_RESERVE = 2
 
 # SGLang's tokenizer manager (0.5.x), when the prompt fits but prompt + max_new_tokens does not. Proxies
 # in front of it have been seen to print the counts as floats ("524288.0"): accepted.
@@ -50,6 +56,12 @@ class ContextOverflow:
         """The largest ``max_new_tokens`` the server accepts for this prompt (>= 1: a prompt that
         leaves no room is refused by another message)."""
         return self.context_length - self.input_tokens
+
+    @property
+    def generable(self) -> int:
+        """The largest budget the server also generates in full: ``room`` less SGLang's scheduler
+        reserve (``SCHEDULER_RESERVE``), at least 1."""
+        return max(1, self.room - SCHEDULER_RESERVE)
 
 
 def capped_sampling(sampling: dict[str, Any], budget: int) -> dict[str, Any]:
@@ -106,7 +118,7 @@ class TruncationPolicy:
         if self.max_new_tokens is not None:
             nxt = min(nxt, self.max_new_tokens)
         if context_length is not None:
-            nxt = min(nxt, context_length - prompt_tokens)
+            nxt = min(nxt, context_length - prompt_tokens - SCHEDULER_RESERVE)
         return nxt if nxt > budget else None
 
     def to_json(self) -> str | None:

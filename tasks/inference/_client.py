@@ -440,7 +440,8 @@ class GenerateClient:
                     over = ContextOverflow.parse(message)
                     if over is not None and not capped and 1 <= over.room < over.max_new_tokens:
                         self.context_length = over.context_length
-                        sampling_params = capped_sampling(sampling_params, over.room)
+                        # what SGLang's scheduler generates in full, not the room the 400 names
+                        sampling_params = capped_sampling(sampling_params, over.generable)
                         body = orjson.dumps({"text": text, "sampling_params": sampling_params, "rid": rid})
                         capped = resend = True
                         continue

@@ -24,6 +24,7 @@ def test_the_over_budget_message_gives_the_room_the_prompt_leaves() -> None:
     over = ContextOverflow.parse(REAL_MESSAGE)
     assert over == ContextOverflow(context_length=2048, total_tokens=3010, input_tokens=1010, max_new_tokens=2000)
     assert over.room == 1038
+    assert over.generable == 1036  # what SGLang's scheduler generates in full (its reserve of 2)
     floats = REAL_MESSAGE.replace("2000 tokens for", "2000.0 tokens for").replace("3010", "3010.0")
     assert ContextOverflow.parse(floats) == over
     for other in ("The input (3000 tokens) is longer than the model's context length (2048 tokens).",
@@ -44,9 +45,10 @@ def test_next_budget_grows_by_the_factor_within_the_limit_and_the_context() -> N
     p = TruncationPolicy(retries=2, factor=2.0)
     assert p.next_budget(4096, 100, None) == 8192
     assert p.next_budget(4096, 100, 32768) == 8192
-    assert p.next_budget(4096, 30000, 32768) is None  # 2,768 left: not larger than 4,096
+    assert p.next_budget(4096, 30000, 32768) is None  # 2,766 left: not larger than 4,096
     assert p.next_budget(1000, 30000, 32768) == 2000
-    assert p.next_budget(2000, 30000, 32768) == 2768  # the rest of the context
+    assert p.next_budget(2000, 30000, 32768) == 2766  # the rest of the context SGLang generates in
+    assert p.next_budget(2766, 30000, 32768) is None
     assert TruncationPolicy(retries=1, factor=1.5).next_budget(5, 1, None) == 8  # rounded up
     limited = TruncationPolicy(retries=3, factor=4.0, max_new_tokens=10000)
     assert limited.next_budget(4096, 10, None) == 10000
@@ -85,9 +87,10 @@ def test_client_caps_max_new_tokens_to_the_room_the_server_names(sim_gpus, emula
 
     fits, capped, learned, alone, scheduler, stats = asyncio.run(go())
     assert (fits.max_new_tokens, fits.capped) == (20, False)
-    assert capped.capped and capped.max_new_tokens == 300 - capped.prompt_tokens
-    # the scheduler keeps one slot short of its request limit (context - 1): SGLang's own bound
-    assert capped.finish_reason == "length" and capped.completion_tokens == 300 - 2 - capped.prompt_tokens
+    # the scheduler keeps one slot short of its request limit (context - 1), SGLang's own bound: the
+    # stored budget is what it generates in full, not the room the 400 names
+    assert capped.capped and capped.max_new_tokens == 300 - 2 - capped.prompt_tokens
+    assert capped.finish_reason == "length" and capped.completion_tokens == capped.max_new_tokens
     assert learned == 300
     assert alone.status == 400 and alone.message == (
         "The input (300 tokens) is longer than the model's context length (300 tokens).")
@@ -110,4 +113,4 @@ def test_client_gives_up_when_the_capped_request_is_refused_again() -> None:
     with canned_server(400, body, seen) as url, pytest.raises(PromptTooLong) as info:
         asyncio.run(go(url))
     assert info.value.message == REAL_MESSAGE
-    assert [json.loads(s)["sampling_params"]["max_new_tokens"] for s in seen] == [2000, 1038]
+    assert [json.loads(s)["sampling_params"]["max_new_tokens"] for s in seen] == [2000, 1036]
