@@ -10,7 +10,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -55,6 +55,7 @@ class ServerState:
     template: Any = None
     startup_s: float = 0.0  # from the start of the main process until it served
     request_log: Any = None  # an open text file (--emu-request-log): tests count requests per rid
+    rids: set[str] = field(default_factory=set)  # rids in flight: SGLang refuses a second one
 
     def log_request(self, event: str, reqs: list[Any]) -> None:
         if self.request_log is not None:
@@ -387,19 +388,30 @@ def build_app(st: ServerState) -> web.Application:
                 if isinstance(made, web.Response):
                     return made
                 reqs.append(made)
+        # SGLang's tokenizer manager: a rid already in flight (or twice in one request) is a ValueError
+        given = [r.rid for r in reqs if r.rid is not None]
+        for k, rid in enumerate(given):
+            if rid in st.rids or rid in given[:k]:
+                if st.request_log is not None:
+                    st.request_log.write(f"duplicate {rid}\n")
+                return _value_error(f"Duplicate request ID detected: {rid}")
         try:
             engine.submit(reqs)
         except QueueFull:
             return _queue_full()
-        st.log_request("recv", reqs)
-        many = batch or len(reqs) > 1
-        if body.get("stream"):
-            return await _stream(request, reqs, many)
-        await _finished(reqs)
-        st.log_request("done", reqs)
-        if many:
-            return _json([_result(st, r) for r in reqs])
-        return _json(_result(st, reqs[0]))
+        st.rids.update(given)
+        try:
+            st.log_request("recv", reqs)
+            many = batch or len(reqs) > 1
+            if body.get("stream"):
+                return await _stream(request, reqs, many)
+            await _finished(reqs)
+            st.log_request("done", reqs)
+            if many:
+                return _json([_result(st, r) for r in reqs])
+            return _json(_result(st, reqs[0]))
+        finally:
+            st.rids.difference_update(given)
 
     async def _stream(request: web.Request, reqs: list[Req], many: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

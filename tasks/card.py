@@ -140,6 +140,7 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
     table_rows: list[str] = []
     verdicts = (report.get("datasets") or {})
     total_rows = 0
+    served: Counter[str] = Counter()  # rows by who started their server: datagen, or someone else
     for i, name in enumerate(sorted(datasets)):
         entry = datasets[name]
         files = _shard_files(out, name, entry)
@@ -151,13 +152,19 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
         if i == 0:
             config["default"] = True
         configs.append(config)
+        size = _data_bytes(files)
+        # the `datasets` form of a split: name, bytes (uncompressed) and examples, else it warns
         infos.append({"config_name": name, "features": hf_features(),
-                      "splits": [{"name": _SPLIT, "num_examples": rows}]})
+                      "splits": [{"name": _SPLIT, "num_bytes": size, "num_examples": rows}],
+                      "download_size": sum(p.stat().st_size for p in files if p.is_file()),
+                      "dataset_size": size})
         values, finish = _values(files)
         verdict = (verdicts.get(name) or {}).get("verdict", "not validated")
         table_rows.append(f"| `{name}` | {rows:,} | {rejects:,} | {len(shards)} of {entry.get('num_shards', '?')} | "
                           f"{finish.get('stop', 0):,} / {finish.get('length', 0):,} / {finish.get('abort', 0):,} "
                           f"| {verdict} |")
+        for server, n in values["server"].items():
+            served["shared" if server.startswith("external:") else "launched"] += n
         sections.extend(_dataset_section(name, entry, values, (verdicts.get(name) or {}).get("total") or []))
     header = {
         "configs": configs,
@@ -190,8 +197,7 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
     lines.append("")
     lines += sections
     lines += ["## How it was made", "",
-              "datagen (a Prefect workflow) cleaned the GPUs, launched SGLang with a tuned "
-              "`--mem-fraction-static`, checked its health, then streamed each input through SGLang's native "
+              _how_served(served) + ", then streamed each input through SGLang's native "
               "`/generate` with the model's chat template, in shards of "
               f"{manifest.get('shard_size')} input rows committed atomically (resumable after a crash: every "
               "input id is stored exactly once), and validated each shard as it committed and the whole "
@@ -199,6 +205,32 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
               "`_rejects/<dataset>.jsonl`.", "",
               "Columns: " + ", ".join(f"`{f.name}`" for f in ROW_SCHEMA) + ".", ""]
     return "\n".join(lines)
+
+
+def _how_served(served: Mapping[str, int]) -> str:
+    """What datagen did to the servers of the rows: launched them (GPU hygiene, tuned launch, health
+    check), used servers someone else runs (``--server-url``: none of that), or both."""
+    launched = ("cleaned the GPUs, launched SGLang with a tuned `--mem-fraction-static` and checked its "
+                "health")
+    shared = ("used an SGLang server it did not launch (`--server-url`: no GPU hygiene, no launch, no "
+              "memory tuning by datagen)")
+    n_launched, n_shared = served.get("launched", 0), served.get("shared", 0)
+    if n_shared and n_launched:
+        return (f"datagen (a Prefect workflow) {launched} for {n_launched:,} rows, and {shared} for "
+                f"{n_shared:,} rows")
+    return f"datagen (a Prefect workflow) {shared if n_shared else launched}"
+
+
+def _data_bytes(files: Iterable[Path]) -> int:
+    """Uncompressed bytes of the shards' data (Parquet row-group sizes): a split's ``num_bytes``."""
+    total = 0
+    for path in files:
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except (OSError, pa.ArrowException):
+            continue
+        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return total
 
 
 def _dataset_section(name: str, entry: Mapping[str, Any], values: Mapping[str, Counter[str]],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -124,6 +125,8 @@ class InferencePool:
         self.on_shard_committed = on_shard_committed
         self.progress = progress
         self.result = result
+        # unique per run: rids of two runs of the same ids on one shared server never collide
+        self.run_tag = secrets.token_hex(4)
         self.canary_size = canary[0] if canary is not None else 0
         self.on_canary: Callable[[list[dict[str, Any]]], Any] | None = canary[1] if canary is not None else None
         self.canary: list[dict[str, Any]] = []
@@ -349,7 +352,7 @@ class InferencePool:
         """One request of ``item``; None when the prompt is too long (the sample is then rejected)."""
         try:
             res = await self.client.generate(prompt, self._params(item),
-                                             rid=request_id(item.row.id, item.sample, turn))
+                                             rid=request_id(item.row.id, item.sample, turn, self.run_tag))
         except PromptTooLong as exc:
             at = f" at turn {turn}" if turn else ""
             self._reject_sample(item, f"prompt too long{at}: {exc.message}", exc.status)
@@ -431,7 +434,7 @@ class InferencePool:
                 break
             try:
                 again = await self.client.generate(item.prompt, capped_sampling(self._params(item), nxt),
-                                                   rid=request_id(item.row.id, item.sample, 0))
+                                                   rid=request_id(item.row.id, item.sample, 0, self.run_tag))
             except PromptTooLong:  # the larger budget does not fit after all: keep what fits
                 break
             if again.max_new_tokens is not None and again.max_new_tokens <= budget:

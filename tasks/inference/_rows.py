@@ -37,10 +37,12 @@ def derive_seed(base: int, row_id: str, sample: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def request_id(row_id: str, sample: int, turn: int = 0) -> str:
+def request_id(row_id: str, sample: int, turn: int = 0, run_tag: str = "") -> str:
     """The request's ``rid``: the row id for sample 0's only turn, else tagged with the sample and
-    turn (SGLang refuses a rid that is already in flight)."""
-    return row_id + (f"#s{sample}" if sample else "") + (f"#t{turn}" if turn else "")
+    turn, then ``@<run_tag>`` when given. SGLang refuses a rid that is already in flight ("Duplicate
+    request ID"), so two runs of the same ids against one shared server need the run's tag."""
+    return row_id + (f"#s{sample}" if sample else "") + (f"#t{turn}" if turn else "") + (
+        f"@{run_tag}" if run_tag else "")
 
 
 def conversation_slots(messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -86,7 +86,9 @@ def _requests(tmp: Path, address: str) -> list[tuple[str, str]]:
     path = tmp / f"requests-{address}.log"
     if not path.exists():
         return []
-    return [tuple(line.split(" ", 1)) for line in path.read_text().splitlines() if " " in line]  # type: ignore[misc]
+    # (event, row id): the rid less its run tag (``id@<tag>``)
+    return [(ev, rid.rpartition("@")[0] or rid) for ev, rid in
+            (line.split(" ", 1) for line in path.read_text().splitlines() if " " in line)]
 
 
 def _env(prefect_server: PrefectServer, tmp: Path, hosts: list[SshHost]) -> dict[str, str]:

@@ -118,6 +118,10 @@ def test_killed_samples_run_resumes_with_the_identical_command(tmp_path: Path, s
     assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(3))
     # exactly the (id, sample) pairs not on disk were asked for: no pair twice, none lost
     assert metrics(em.url)["num_requests_total"] - sent_before == 72 - done
+    # the card tells what the run did: a server it did not launch, so no hygiene and no tuned launch
+    card = (out / "README.md").read_text()
+    assert "used an SGLang server it did not launch (`--server-url`: no GPU hygiene" in card
+    assert "cleaned the GPUs" not in card
 
 
 def test_killed_whole_conversation_run_resumes_with_the_identical_command(
@@ -163,3 +167,31 @@ def test_truncation_retries_through_the_run_regenerate_length_finishes(
     assert all(r["max_new_tokens"] == 12 * 3 ** r["truncation_retries"] for r in rows)
     # one request per row, plus one per regeneration
     assert metrics(em.url)["num_requests_total"] == 8 + sum(r["truncation_retries"] for r in rows)
+
+
+def test_two_runs_of_the_same_ids_on_one_shared_server_never_share_a_request_id(
+        tmp_path: Path, sim_gpus: SimGpus, emulator_factory, reap_pids) -> None:
+    data = tmp_path / "prompts.jsonl"
+    ids = write_input(data, 40)
+    log = tmp_path / "requests.log"
+    em = emulator_factory(["--emu-decode-ms-per-step", "4", "--emu-output-tokens", "40",
+                           "--emu-request-log", str(log)])
+    part = _partition(tmp_path, data)
+    procs = []
+    for name in ("first", "second"):  # one after the other: each gets its own Prefect home
+        (tmp_path / name).mkdir()
+        procs.append(subprocess.Popen(_argv(part, em.url, tmp_path / name / "out"), cwd=REPO_ROOT,
+                                      env=_env(tmp_path / name), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, stdin=subprocess.DEVNULL))
+        reap_pids.append(procs[-1].pid)
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=400)
+        assert proc.returncode == 0, stderr[-3000:]
+    for name in ("first", "second"):
+        assert committed_keys(tmp_path / name / "out", "ds") == [(i, 0) for i in ids]
+    events = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    # SGLang answers a rid already in flight with 400 "Duplicate request ID": none was refused
+    assert [rid for ev, rid in events if ev == "duplicate"] == []
+    received = [rid for ev, rid in events if ev == "recv"]
+    assert len(received) == len(set(received)) == 80  # each run's rids its own
+    assert sorted(rid.rpartition("@")[0] for rid in received) == sorted(ids * 2)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tasks.card import CARD_NAME, hf_features, write_card
@@ -45,7 +47,14 @@ def test_card_header_is_a_hub_dataset_card(output, hf_home):
     assert data["configs"] == [{"config_name": "ds", "data_files": [{"split": "train", "path": "ds/shard-*.parquet"}],
                                 "default": True}]
     (info,) = data["dataset_info"]
-    assert info["features"] == hf_features() and info["splits"] == [{"name": "train", "num_examples": 12}]
+    assert info["features"] == hf_features()
+    # name, bytes and examples: the split form `datasets` reads (without num_bytes it warns and drops it)
+    (split,) = info["splits"]
+    files = sorted((output / "ds").glob("shard-*.parquet"))
+    assert split == {"name": "train", "num_examples": 12, "num_bytes": info["dataset_size"]}
+    assert split["num_bytes"] == sum(pq.ParquetFile(f).metadata.row_group(i).total_byte_size
+                                     for f in files for i in range(pq.ParquetFile(f).metadata.num_row_groups))
+    assert info["download_size"] == sum(f.stat().st_size for f in files)
     assert card.text.startswith("\n# demo output\n")
     # the one rejected input line of 13 warns (reject_warn_rate 5%): the card carries the verdict
     assert "| `ds` | 12 | 1 | 3 of 3 | 12 / 0 / 0 | warn |" in card.text and "Verdict **warn**" in card.text
@@ -67,8 +76,21 @@ def test_datasets_library_loads_the_output_with_the_row_schema(output, hf_home):
     assert ds[0]["messages"] == [{"role": "system", "content": "Be brief."},
                                  {"role": "user", "content": "question 0"}]
     # by the card alone: its configs and features are what load_dataset(OUT, name) goes by
-    by_card = datasets.load_dataset(str(output), "ds", split="train", cache_dir=str(hf_home / "cache"))
+    warned: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warned.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        by_card = datasets.load_dataset(str(output), "ds", split="train", cache_dir=str(hf_home / "cache"))
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
     assert by_card.features == expected and by_card["id"] == ds["id"]
+    assert warned == []  # the card's dataset_info is read whole ("splits ... malformed" before)
 
 
 def test_duckdb_reads_the_output_with_column_types_intact(output):

@@ -66,8 +66,8 @@ def _run(inp: Path, out: Path, pool: ServerPool, conc: int = 8, shard: int = 25)
 
 def _sent(servers: list[MinimalServer]) -> Counter[str]:
     total: Counter[str] = Counter()
-    for s in servers:
-        total.update(s.requests)
+    for s in servers:  # by row id: a rid is the row id and the run's tag (``id@tag``)
+        total.update({rid.rpartition("@")[0] or rid: n for rid, n in s.requests.items()})
     return total
 
 
