@@ -152,8 +152,8 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     assert f"completed: 5 rows in {out}" in res.stdout
     got = {r["id"]: r for r in committed_rows(out, "ds", [
         "id", "prompt_tokens", "completion_tokens", "max_new_tokens", "finish_reason", "truncation_retries",
-        "budget_capped", "raw", "reasoning", "content", "model", "reasoning_parser", "model_revision",
-        "chat_template_sha256", "sampling", "sample", "sampling_seed"])}
+        "budget_capped", "raw", "reasoning", "content", "model", "reasoning_parser", "model_revision", "engine", "engine_version",
+        "chat_template_hash", "sampling", "sample", "sampling_seed"])}
     assert sorted(got) == ["near", "p0", "p1", "p2", "p3"]
     for i in range(4):  # 4 -> 8 -> 16 tokens, each generated in full
         r = got[f"p{i}"]
@@ -166,7 +166,8 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     # provenance: the raw text kept, the split recorded, the model and its template identified
     assert all(r["raw"] and r["content"] == r["raw"] and r["reasoning"] is None for r in got.values())
     assert {r["reasoning_parser"] for r in got.values()} == {"qwen3"}
-    assert len({r["chat_template_sha256"] for r in got.values()}) == 1 and near["chat_template_sha256"]
+    assert {(r["engine"], r["engine_version"]) for r in got.values()} == {("sglang", "0.5.23")}
+    assert len({r["chat_template_hash"] for r in got.values()}) == 1 and near["chat_template_hash"]
     assert json.loads(near["sampling"])["max_new_tokens"] == 4  # the configured budget, per row
     rejects = OutputDir(out).read_rejects("ds")
     assert [x.get("id") for x in rejects] == ["toolong"]
