@@ -80,6 +80,9 @@ class Engine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.cache = RadixCache(enabled=cfg.radix_cache)
+        # prefilled prompts not yet in the tree: SGLang's overlap scheduler processes a batch's result
+        # (and inserts its prompts) only after it has scheduled the next batch (_insert_prefilled)
+        self._prefilled: list[Req] = []
         self.generation_tokens_total = 0
         self.requests_total = 0
         self.busy_slot_seconds = 0.0
@@ -162,12 +165,36 @@ class Engine:
         return batch
 
     def _cache_prompts(self, batch: list[Req]) -> None:
-        """After a prefill: the batch's prompts join the cache, locked while they run; unlocked
-        prompts are evicted (LRU) while the cache and the running requests' outputs overflow the pool."""
+        """After a prefill: the batch's prompts are counted, and join the cache once the next batch
+        has been scheduled (``_insert_prefilled``)."""
         for r in batch:
-            r.node = self.cache.insert(r.key)
             self.prompt_tokens_total += r.prompt_tokens
             self.cached_tokens_total += r.cached
+        self._prefilled.extend(batch)
+
+    def flush_cache(self) -> None:
+        """``/flush_cache`` on an idle engine: the radix tree is emptied (nothing runs, nothing is locked)."""
+        self._insert_prefilled()
+        self.cache.clear()
+
+    def _insert_prefilled(self) -> None:
+        """The prompts of the last prefill join the cache, locked while they run; unlocked prompts
+        are evicted (LRU) while the cache and the running requests' outputs overflow the pool.
+
+        Called after the next batch was scheduled, as SGLang 0.5.23's overlap scheduler
+        (``event_loop_overlap``: ``get_next_batch_to_run``, then ``process_batch_result`` of the
+        previous batch, which inserts into the radix tree): a request scheduled right after a prefill
+        does not match that prefill's prompts, so rows sent together share nothing.
+        """
+        batch, self._prefilled = self._prefilled, []
+        for r in batch:
+            node = self.cache.insert(r.key)
+            if r.finished_at is None:
+                r.node = node
+            else:  # finished before its result was processed: cached, but held by nobody
+                self.cache.unlock(node)
+        if not batch:
+            return
         over = self.cache.size + sum(r.generated for r in self.running) - self.cfg.kv_tokens
         if over > 0:
             self.cache.evict(over, slack=self.cfg.kv_tokens // 32)
@@ -214,6 +241,7 @@ class Engine:
         self._scheduled = False
         while self.waiting and not self.halted:
             batch = self._take_batch()
+            self._insert_prefilled()
             if not batch:
                 break
             self._log_prefill(batch)
@@ -227,6 +255,7 @@ class Engine:
                 gen += r.total
                 self._finish(r, now)
             self._record_tokens(gen)
+        self._insert_prefilled()  # idle again: the last result is processed
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -235,10 +264,12 @@ class Engine:
             if self.halted:
                 return
             if not self.running and not self.waiting:
+                self._insert_prefilled()  # an idle scheduler processes its last result
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = self._take_batch() if self.waiting else []
+            self._insert_prefilled()
             if batch:
                 self._log_prefill(batch)
                 if not self._prefill_fits(batch):

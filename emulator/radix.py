@@ -54,6 +54,12 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.size = 0
 
+    def clear(self) -> None:
+        """Drop every cached prefix (``/flush_cache``, which SGLang performs only when idle)."""
+        self.root = Node((), None, 0)
+        self.root.lock_ref = 1
+        self.size = 0
+
     def match(self, tokens: Sequence[Hashable]) -> int:
         """Tokens of ``tokens`` already cached as a prefix; the path is marked used."""
         if not self.enabled:

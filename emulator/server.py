@@ -491,6 +491,8 @@ def build_app(st: ServerState) -> web.Application:
         text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                 "waiting requests, the operation will not be performed.)\n")
         busy = bool(engine.running or engine.waiting)
+        if not busy:
+            engine.flush_cache()
         return web.Response(text=text, status=400 if busy else 200)
 
     async def models(request: web.Request) -> web.Response:

@@ -2,7 +2,7 @@
 
 ``InferencePool.run(input_iter)`` reads the input once in the event loop and feeds ``concurrency``
 worker tasks through a bounded queue, so only in-flight items, one reordering window (rows sent in
-``tasks.inference._order.prefix_order``, for the server's prefix cache) and per-open-shard counters
+``tasks.inference._order.SendQueue``, for the server's prefix cache) and per-open-shard counters
 live in memory. A work item is one sample of one input record; ``samples`` items per record, all in
 the record's shard. A shard whose slice is fully accounted for (each ``(record, sample)`` generated or
 resumed, or rejected) is committed by one committer thread, in the order shards complete: a
@@ -28,7 +28,7 @@ from typing import Any
 
 from tasks.inference._budget import TruncationPolicy, capped_sampling
 from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong
-from tasks.inference._order import prefix_order
+from tasks.inference._order import Gate, SendQueue
 from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, conversation_slots, public_reject, request_id
@@ -75,6 +75,7 @@ class _Item:
     prompt: str  # the prompt of the (first) turn
     think_in_prompt: bool
     turns: dict[int, dict[str, Any]] = field(default_factory=dict)  # journaled turns (regenerate="all")
+    gate: Gate | None = None  # set on a prefix group's leader: its answer releases the group's siblings
 
 
 class InferencePool:
@@ -234,7 +235,9 @@ class InferencePool:
     async def run(self, input_iter: Iterable[Any]) -> None:
         """Generate every record of ``input_iter`` not yet committed or journaled; see the module
         docstring for what it raises."""
-        queue: asyncio.Queue[_Item | None] = asyncio.Queue(maxsize=self.concurrency)
+        # input order: a bounded FIFO; prefix order: room for a whole window, so the workers can take
+        # rows behind a held group's siblings
+        queue = SendQueue(self.concurrency if self.order_window == 1 else self.order_window + self.concurrency)
         try:
             async with asyncio.TaskGroup() as tg:
                 workers = [tg.create_task(self._worker(queue, tg)) for _ in range(self.concurrency)]
@@ -248,7 +251,7 @@ class InferencePool:
             for shard in self.shards.values():
                 shard.journal.close()
 
-    async def _read(self, input_iter: Iterable[Any], queue: asyncio.Queue[_Item | None],
+    async def _read(self, input_iter: Iterable[Any], queue: SendQueue,
                     tg: asyncio.TaskGroup) -> None:
         size = self.shard_size
         pos = -1
@@ -275,7 +278,7 @@ class InferencePool:
             self.executor, self.out.set_dataset_totals, self.spec.name, total)
         self.result.shards_total = -(-total // size)
 
-    async def _send(self, item: _Item, queue: asyncio.Queue[_Item | None]) -> None:
+    async def _send(self, item: _Item, queue: SendQueue) -> None:
         """Queue ``item`` for the workers, through the reordering window when there is one."""
         if self.order_window == 1:
             await queue.put(item)
@@ -284,14 +287,14 @@ class InferencePool:
         if len(self.window) >= self.order_window:
             await self._flush(queue)
 
-    async def _flush(self, queue: asyncio.Queue[_Item | None]) -> None:
+    async def _flush(self, queue: SendQueue) -> None:
         """Queue the window's rows in cache-aware order. Which shard a row belongs to is its input
         position's, and the shard stores its rows by position: only the send order changes."""
         window, self.window = self.window, []
-        for i in prefix_order([it.prompt for it in window]):
-            await queue.put(window[i])
+        if window:
+            await queue.put_window(window, [it.prompt for it in window])
 
-    async def _feed(self, shard: _OpenShard, pos: int, item: Any, queue: asyncio.Queue[_Item | None],
+    async def _feed(self, shard: _OpenShard, pos: int, item: Any, queue: SendQueue,
                     tg: asyncio.TaskGroup) -> None:
         """Queue the samples of input row ``item`` that its shard's journal does not account for."""
         todo = [k for k in range(self.samples) if pos not in shard.whole_rejects
@@ -327,16 +330,20 @@ class InferencePool:
         if len(self.canary) == self.canary_size:
             self.on_canary(list(self.canary))
 
-    async def _worker(self, queue: asyncio.Queue[_Item | None], tg: asyncio.TaskGroup) -> None:
+    async def _worker(self, queue: SendQueue, tg: asyncio.TaskGroup) -> None:
         while True:
             item = await queue.get()
             if item is None:
                 return
             shard = item.shard
-            if self.regenerate == "all":
-                row = await self._conversation(item)
-            else:
-                row = await self._last_turn(item)
+            try:
+                if self.regenerate == "all":
+                    row = await self._conversation(item)
+                else:
+                    row = await self._last_turn(item)
+            finally:
+                if item.gate is not None:  # a prefix group's leader answered: its siblings may go
+                    await queue.open(item.gate)
             if row is not None:
                 shard.journal.append(row)
                 shard.generated += 1

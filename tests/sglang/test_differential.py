@@ -268,6 +268,50 @@ def test_invalid_json_is_400(subject: Subject) -> None:
     assert body["object"] == "error" and body["code"] == 400 and "JSON decode error" in body["message"]
 
 
+# --- the prefix cache: shared only once a prefill has been processed ------------------------------
+
+# ~300 tokens of a system prompt on both tokenizers (one token a word on the tiny model and the emulator)
+_SYSTEM = "you are a careful assistant . " + " ".join(["kalo"] * 300) + " . "
+
+
+def _cached(res: dict[str, Any]) -> int:
+    return int(res["meta_info"].get("cached_tokens") or 0)
+
+
+def _flush(subject: Subject) -> None:
+    deadline = time.monotonic() + 60
+    while subject.post("/flush_cache", {}, subject.key).status_code != 200:  # 400 while requests run
+        assert time.monotonic() < deadline, "/flush_cache refused for 60 s"
+        time.sleep(0.2)
+
+
+def test_flushed_cache_serves_nothing_then_the_same_prompt_hits(subject: Subject) -> None:
+    _flush(subject)
+    first = subject.generate(_SYSTEM + "question one", max_new_tokens=2).json()
+    again = subject.generate(_SYSTEM + "question one", max_new_tokens=2).json()
+    assert _cached(first) == 0
+    assert _cached(again) >= 300  # everything but the last prompt token, which is always computed
+    _flush(subject)
+    assert _cached(subject.generate(_SYSTEM + "question one", max_new_tokens=2).json()) == 0
+
+
+def test_rows_prefilled_in_one_batch_share_nothing(subject: Subject) -> None:
+    # what a group sent at once meets: no row of one prefill batch matches another's prompt
+    _flush(subject)
+    body = subject.generate([_SYSTEM + f"question {w}" for w in ("one", "two", "three", "four")],
+                            max_new_tokens=2).json()
+    assert [_cached(r) for r in body] == [0, 0, 0, 0]
+
+
+def test_a_sibling_sent_after_its_leader_answered_reuses_the_prefix(subject: Subject) -> None:
+    _flush(subject)
+    leader = subject.generate(_SYSTEM + "question one", max_new_tokens=2).json()
+    body = subject.generate([_SYSTEM + f"question {w}" for w in ("two", "three")], max_new_tokens=2).json()
+    assert _cached(leader) == 0
+    shared = leader["meta_info"]["prompt_tokens"] - 3  # the prompts differ in their last words only
+    assert all(_cached(r) >= shared for r in body), [(_cached(r), shared) for r in body]
+
+
 # --- stop: last, ends the server --------------------------------------------------------------------
 
 
