@@ -180,9 +180,12 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     api: Api = stack["api"]
     # Decode slow enough that the kill lands with shards left (the rerun keeps the flags: they are part
     # of the rows' server fingerprint, which validation requires to be one per shard).
-    part = _partition(tmp_path, "kill", ["--emu-decode-ms-per-step", "12"], run="", sampling="")
+    # Two samples per prompt: the resume of a killed --samples run through the deployment path (the
+    # flow's resume check once assumed one sample and refused the identical rerun).
+    part = _partition(tmp_path, "kill", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"],
+                      run="", sampling="")
     out = tmp_path / "kill"
-    run = api.run("datagen/demo", partition=str(part))
+    run = api.run("datagen/demo", partition=str(part), samples=2)
     api.wait(run, {"RUNNING"}, 90)
     proc = _flow_process(stack["worker"], run)
     deadline = time.monotonic() + 120
@@ -206,11 +209,12 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     manifest = json.loads((out / "_manifest.json").read_text())
     before = manifest["datasets"]["glaive_like"]["shards"]
     assert 1 <= len(before) < 6
-    rerun = api.run("datagen/demo", partition=str(part))
+    rerun = api.run("datagen/demo", partition=str(part), samples=2)
     st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
     assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
-    ids = _rows(out)["glaive_like"]
-    assert len(ids) == len(set(ids)) == 300
+    keys = [(r["id"], r["sample"]) for f in sorted(out.glob("glaive_like/shard-*.parquet"))
+            for r in pq.read_table(f, columns=["id", "sample"]).to_pylist()]
+    assert len(keys) == len(set(keys)) == 600 and {k for _, k in keys} == {0, 1}
     after = json.loads((out / "_manifest.json").read_text())["datasets"]["glaive_like"]["shards"]
     assert len(after) == 6
     assert {k: after[k] for k in before} == before  # committed shards were not redone
