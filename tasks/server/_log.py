@@ -144,6 +144,9 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
                     return Failure("weights_too_big", _WEIGHTS_EXPLANATION, line.strip()[:500])
                 suggested = _suggested_fraction(line) if kind == "too_low" else None
                 return Failure(kind, advice, line.strip()[:500], suggested)
+    refused = _refused_argument(lines)
+    if refused:
+        return Failure("bad_flag", explanation("bad_flag"), refused[:500])
     if exit_status == 2:
         evidence = next((ln for ln in reversed(lines) if "error" in ln.lower()), "")
         return Failure("bad_flag", explanation("bad_flag"), evidence.strip()[:500])
@@ -151,6 +154,21 @@ def classify_failure(log_text: str, exit_status: int | None) -> Failure:
     status = "unknown" if exit_status is None else str(exit_status)
     return Failure("unknown", f"the server stopped (exit status {status}) for a reason not recognised: "
                    "read the log tail", evidence.strip()[:500])
+
+
+# SGLang 0.5.23 checks flag combinations after parsing them (server_args.py and its arg_groups/
+# hooks), as a ValueError: e.g. --enable-deterministic-inference with a CPU attention backend.
+_ARG_CHECK_FRAME = re.compile(r'File ".*sglang/srt/(arg_groups/[^"]+|server_args\.py)"')
+_VALUE_ERROR = re.compile(r"^\s*ValueError: ")
+
+
+def _refused_argument(lines: list[str]) -> str:
+    """The ValueError line of a traceback raised while SGLang checks its arguments ("" if none):
+    a flag (combination) it refuses, which no relaunch fixes."""
+    for i, line in enumerate(lines):
+        if _VALUE_ERROR.match(line) and any(_ARG_CHECK_FRAME.search(ln) for ln in lines[max(0, i - 40):i]):
+            return line.strip()
+    return ""
 
 
 def _names_dead_scheduler(before: list[str]) -> bool:

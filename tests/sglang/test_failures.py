@@ -39,6 +39,16 @@ def test_unknown_flag_is_bad_flag_with_exit_status_2(tiny_model: Path, sglang_lo
     assert "--no-such-flag" in exc.failure.evidence
 
 
+def test_deterministic_inference_is_refused_on_cpu(tiny_model: Path, sglang_logs: Path) -> None:
+    # docs/output.md: same seed, same text needs --enable-deterministic-inference, which SGLang 0.5.23
+    # accepts only with a GPU attention backend; CPU runs cannot promise identical resamples
+    exc = _launch_fails(cpu_config(tiny_model, extra_args=("--enable-deterministic-inference",)), sglang_logs)
+    assert exc.exit_status not in (None, 0)
+    # a refused flag combination: permanent (no relaunch, the fraction never moves), named in the evidence
+    assert exc.failure.kind == "bad_flag" and not exc.retryable
+    assert "attention backends are supported for deterministic inference" in exc.failure.evidence
+
+
 def test_config_json_without_model_type_is_model_not_found(tiny_model: Path, tmp_path: Path,
                                                            sglang_logs: Path) -> None:
     broken = tmp_path / "broken-model"
