@@ -415,8 +415,10 @@ def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None
 
 # SGLang drains and ends its children when its main process gets SIGTERM (about 1 s idle); a
 # SIGTERM to the whole group reaches the children too, which take their crash path, and the server
-# dies by SIGKILL seconds later without draining. So the leader is asked first, for at most this.
-LEADER_FIRST_S = 10.0
+# dies by SIGKILL seconds later without draining. So the leader is asked first, for half the grace
+# and at most this: SGLang's SIGTERM watchdog looks every 5 s, and on a loaded 2-core host its drain
+# and teardown took more than 10 s (the leader then died by the group's SIGTERM, exit -15).
+LEADER_FIRST_S = 20.0
 
 
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:

@@ -296,11 +296,16 @@ def test_flushed_cache_serves_nothing_then_the_same_prompt_hits(subject: Subject
 
 
 def test_rows_prefilled_in_one_batch_share_nothing(subject: Subject) -> None:
-    # what a group sent at once meets: no row of one prefill batch matches another's prompt
+    # What a group sent at once meets: no row of one prefill batch matches another's prompt. One
+    # batched request reaches the scheduler at once, but on a loaded host real SGLang split four
+    # rows into two prefill batches once (the last then hit): rows of the first batch share nothing.
     _flush(subject)
     body = subject.generate([_SYSTEM + f"question {w}" for w in ("one", "two", "three", "four")],
                             max_new_tokens=2).json()
-    assert [_cached(r) for r in body] == [0, 0, 0, 0]
+    cached = [_cached(r) for r in body]
+    assert cached[0] == 0 and cached.count(0) >= 2, cached
+    if subject.kind == "emulator":
+        assert cached == [0, 0, 0, 0]  # one batch, always
 
 
 def test_a_sibling_sent_after_its_leader_answered_reuses_the_prefix(subject: Subject) -> None:

