@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from jinja2 import nodes
@@ -204,7 +205,36 @@ def _iter_jsonl(path: Path, dataset: str) -> Iterator[tuple[int, Any, str]]:
                 raw = text.rstrip("\r\n")[:RAW_LIMIT_CHARS]
                 yield line, Reject(dataset, line, f"unparseable JSON: {exc}", raw), raw
                 continue
+            lone = _lone_surrogate(obj) if "\\u" in text else None
+            if lone is not None:  # valid JSON, but no UTF-8 text: it could never be sent or stored
+                raw = text.rstrip("\r\n")[:RAW_LIMIT_CHARS]
+                yield line, Reject(dataset, line, f"a string holds the lone surrogate \\u{ord(lone):04x} (an escape "
+                                   "of half a UTF-16 pair, not a character): fix the line", raw), raw
+                continue
             yield line, obj, text.rstrip("\r\n")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first lone surrogate in any string (key or value) of ``obj``, None when there is none:
+    ``json.loads`` accepts ``"\\ud800"``, but no UTF-8 encoder (the request's, Parquet's) does."""
+    try:
+        orjson.dumps(obj)
+        return None
+    except (orjson.JSONEncodeError, TypeError):
+        pass
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            for ch in item:
+                if "\ud800" <= ch <= "\udfff":
+                    return ch
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any, str]]:

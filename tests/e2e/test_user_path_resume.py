@@ -195,3 +195,22 @@ def test_two_runs_of_the_same_ids_on_one_shared_server_never_share_a_request_id(
     received = [rid for ev, rid in events if ev == "recv"]
     assert len(received) == len(set(received)) == 80  # each run's rids its own
     assert sorted(rid.rpartition("@")[0] for rid in received) == sorted(ids * 2)
+
+
+def test_a_lone_surrogate_in_one_row_is_a_reject_and_the_run_completes(
+        tmp_path: Path, sim_gpus: SimGpus, emulator_factory) -> None:
+    data = tmp_path / "prompts.jsonl"
+    ids = write_input(data, 40)
+    with open(data, "a") as f:  # valid JSON, but "\ud800" is half a UTF-16 pair: no UTF-8 text
+        f.write('{"id": "broken\\ud800", "messages": [{"role": "user", "content": "question \\ud800"}]}\n')
+    out = tmp_path / "out"
+    em = emulator_factory(["--emu-decode-ms-per-step", "1", "--emu-output-tokens", "20"])
+    argv = _argv(_partition(tmp_path, data), em.url, out)
+    res = _run(tmp_path, argv)
+    assert res.returncode == 0, res.stderr[-3000:]  # it crashed in the request encoder, every rerun too
+    assert f"completed: 40 rows in {out}" in res.stdout
+    assert [r["id"] for r in committed_rows(out, "ds", ["id"])] == ids
+    (reject,) = OutputDir(out).read_rejects("ds")
+    assert reject["line"] == 41 and "lone surrogate \\ud800" in reject["reason"]
+    again = _run(tmp_path, argv)  # a rerun finds the output complete
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -230,3 +230,16 @@ def test_byte_order_mark_on_line_one_is_not_a_reject(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbf" + body.encode())
     rows = list(iter_dataset(path, "bom"))
     assert [(type(r).__name__, r.id, r.line) for r in rows] == [("InputRow", "a", 1), ("InputRow", "b", 2)]
+
+
+def test_a_lone_surrogate_is_a_reject_when_read_and_a_valid_pair_is_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "ok", "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}\n'
+                    '{"id": "bad\\ud800", "messages": [{"role": "user", "content": "x"}]}\n'
+                    '{"id": "bad2", "messages": [{"role": "user", "content": "half \\udc00 a pair"}]}\n')
+    got = list(iter_dataset(path, "ds"))
+    assert [type(g).__name__ for g in got] == ["InputRow", "Reject", "Reject"]
+    assert got[0].messages[0]["content"] == "smile \U0001f600"
+    assert [(g.line, g.reason) for g in got[1:]] == [
+        (2, "a string holds the lone surrogate \\ud800 (an escape of half a UTF-16 pair, not a character): fix the line"),
+        (3, "a string holds the lone surrogate \\udc00 (an escape of half a UTF-16 pair, not a character): fix the line")]
