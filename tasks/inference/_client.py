@@ -452,8 +452,16 @@ class GenerateClient:
                 attempt += 1
                 continue
             budget = sampling_params.get("max_new_tokens")
-            result = _parse_generate(rid, payload, latency, attempt + 1,
-                                     budget if isinstance(budget, int) else None, capped)
+            try:
+                result = _parse_generate(rid, payload, latency, attempt + 1,
+                                         budget if isinstance(budget, int) else None, capped)
+            except _BadAnswer as exc:
+                # a truncated or garbled body (a proxy, a dropped connection mid-body): retried with
+                # backoff like a transport error, and the server dropped only when it persists
+                self.stats.count_error("bad_body")
+                last = str(exc)
+                attempt += 1
+                continue
             if result.finish_reason == "abort":
                 message = str(result.finish_detail.get("message", ""))
                 if _TOO_LONG.search(message):
@@ -471,19 +479,23 @@ class GenerateClient:
         )
 
 
+class _BadAnswer(Exception):
+    """A 200 from /generate whose body is not SGLang's answer (never stored as a row)."""
+
+
 def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int, max_new_tokens: int | None,
                     capped: bool) -> GenerateResult:
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
-        raise ServerGone(f"/generate answered 200 with a body that is not JSON: {payload[:200]!r}") from exc
+        raise _BadAnswer(f"/generate answered 200 with a body that is not JSON: {payload[:200]!r}") from exc
     if isinstance(data, list) and len(data) == 1:
         data = data[0]
     if not isinstance(data, dict) or not isinstance(data.get("text"), str):
-        raise ServerGone(f"/generate answered 200 without a `text` string: {str(data)[:200]}")
+        raise _BadAnswer(f"/generate answered 200 without a `text` string: {str(data)[:200]}")
     meta = data.get("meta_info") or {}
     if not isinstance(meta, dict):
-        raise ServerGone(f"/generate answered 200 with a `meta_info` that is not an object: {str(meta)[:200]}")
+        raise _BadAnswer(f"/generate answered 200 with a `meta_info` that is not an object: {str(meta)[:200]}")
     fr = meta.get("finish_reason")
     detail: dict[str, Any]
     if isinstance(fr, dict):
@@ -510,7 +522,7 @@ def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int, m
 def _token_count(meta: dict[str, Any], key: str) -> int:
     value = meta.get(key) or 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ServerGone(f"/generate answered 200 with meta_info.{key} = {value!r}, not a token count")
+        raise _BadAnswer(f"/generate answered 200 with meta_info.{key} = {value!r}, not a token count")
     return value
 
 

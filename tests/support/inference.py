@@ -178,11 +178,12 @@ def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callab
 
 
 @contextlib.contextmanager
-def canned_server(status: int | list[int], body: bytes, seen: list[bytes] | None = None) -> Iterator[str]:
+def canned_server(status: int | list[int], body: bytes | list[bytes], seen: list[bytes] | None = None) -> Iterator[str]:
     """A loopback HTTP server answering every POST with ``status`` (a list: one status per request in
-    order, the last repeated) and the JSON ``body`` (request bodies appended to ``seen``); yields its
-    base URL and stops it on exit."""
+    order, the last repeated) and the JSON ``body`` (a list: likewise), request bodies appended to
+    ``seen``; yields its base URL and stops it on exit."""
     statuses = list(status) if isinstance(status, list) else [status]
+    bodies = list(body) if isinstance(body, list) else [body]
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
@@ -190,10 +191,11 @@ def canned_server(status: int | list[int], body: bytes, seen: list[bytes] | None
             if seen is not None:
                 seen.append(request)
             self.send_response(statuses.pop(0) if len(statuses) > 1 else statuses[0])
+            answer = bodies.pop(0) if len(bodies) > 1 else bodies[0]
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(answer)
 
         def log_message(self, *args: object) -> None:
             pass

@@ -160,6 +160,21 @@ def test_malformed_answers_are_named_never_stored(body, fragment):
     assert fragment in str(err)
 
 
+def test_a_bad_body_is_retried_and_the_next_good_answer_kept():
+    """One truncated or non-JSON 200 (a proxy, a cut connection) costs a retry, not the server."""
+    good = b'{"text": "fine", "meta_info": {"finish_reason": {"type": "stop"}, "prompt_tokens": 3, "completion_tokens": 1}}'
+
+    async def go(url):
+        async with GenerateClient(url, ClientConfig(max_attempts=3, **FAST)) as c:
+            return await c.generate(PROMPT, {}, rid="x"), c.stats
+
+    seen: list[bytes] = []
+    with canned_server(200, [b'{"text": "fi', b"<html>bad gateway</html>", good], seen) as url:
+        res, stats = _run(go(url))
+    assert res.text == "fine" and res.attempts == 3 and len(seen) == 3
+    assert stats.retries == 2 and stats.errors == {"bad_body": 2}
+
+
 def test_server_info_never_carries_the_api_key(sim_gpus, emulator_factory):
     secret = "sk-info-" + "7" * 16
     em = emulator_factory(EMU + ["--api-key", secret])
