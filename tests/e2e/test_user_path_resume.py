@@ -9,13 +9,10 @@ The real-SGLang versions of these runs are in tests/sglang/test_user_path.py.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from emulator.simgpu import SimGpus
@@ -33,6 +30,7 @@ from tests.support.inference import (
     write_input,
 )
 from tests.support.paths import REPO_ROOT
+from tests.support.runs import kill_after_first_commit
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -77,28 +75,6 @@ def _run(tmp: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL)
 
 
-def _kill_after_first_commit(tmp: Path, argv: list[str], out: Path, reap_pids: list[int]) -> None:
-    """Start the run, SIGKILL it (its process alone, as `kill -9 PID` does) once a shard is committed
-    and before the output completes."""
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_env(tmp), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    reap_pids.append(proc.pid)
-    deadline = time.monotonic() + 240
-    try:
-        while not (out.exists() and OutputDir(out).read_manifest() and OutputDir(out).committed_indices("ds")):
-            assert proc.poll() is None, f"the run exited {proc.returncode} before a shard committed: {proc.stderr.read()[-3000:]}"  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no shard committed in 240 s"
-            time.sleep(0.05)
-        # what it started (its Prefect API server) is ended by the next run; the fixture reaps it if not
-        reap_pids.extend(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()  # type: ignore[union-attr]
-
-
 def test_killed_samples_run_resumes_with_the_identical_command(tmp_path: Path, sim_gpus: SimGpus,
                                                                emulator_factory, reap_pids) -> None:
     data = tmp_path / "prompts.jsonl"
@@ -107,7 +83,7 @@ def test_killed_samples_run_resumes_with_the_identical_command(tmp_path: Path, s
     em = emulator_factory(["--emu-decode-ms-per-step", "8", "--emu-output-tokens", "40"])
     argv = _argv(_partition(tmp_path, data), em.url, out, "--samples", "3")
 
-    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    kill_after_first_commit(argv, _env(tmp_path), out, reap_pids)
     done = rows_on_disk(out, "ds")
     assert 12 <= done < 72
     sent_before = wait_idle(em.url)["num_requests_total"]  # the killed run's requests drained
@@ -132,7 +108,7 @@ def test_killed_whole_conversation_run_resumes_with_the_identical_command(
     em = emulator_factory(["--emu-decode-ms-per-step", "8", "--emu-output-tokens", "40"])
     argv = _argv(_partition(tmp_path, data), em.url, out, "--samples", "2", "--regenerate", "all")
 
-    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    kill_after_first_commit(argv, _env(tmp_path), out, reap_pids)
     turns_done = turns_on_disk(out, "ds")
     assert 24 <= turns_done < 96
     sent_before = wait_idle(em.url)["num_requests_total"]  # the killed run's requests drained

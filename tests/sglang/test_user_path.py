@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -36,7 +34,7 @@ from tests.support.inference import (
 )
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home
-from tests.support.runs import records
+from tests.support.runs import kill_after_first_commit, records
 from tests.support.sglang import CONTEXT, CPU_ARGS
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
@@ -102,29 +100,6 @@ def _summaries(tmp: Path) -> list[dict]:
     """The run summaries of the state directory's records, oldest first."""
     recs = sorted(records(tmp).values(), key=lambda r: r.get("owner", {}).get("started", 0))
     return [r["summary"] for r in recs if "summary" in r]
-
-
-def _kill_after_first_commit(tmp: Path, argv: list[str], out: Path, reap_pids: list[int]) -> None:
-    """Start the run; SIGKILL its process alone (`kill -9 PID`) once a shard is committed. What it
-    started (SGLang, its Prefect API server) is the next run's to end; the fixture reaps leftovers."""
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_env(tmp), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    reap_pids.append(proc.pid)
-    deadline = time.monotonic() + 600
-    try:
-        while not (out.exists() and OutputDir(out).read_manifest() and OutputDir(out).committed_indices("ds")):
-            if proc.poll() is not None:
-                raise AssertionError(f"the run exited {proc.returncode} before a shard committed: "
-                                     f"{proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no shard committed in 600 s"
-            time.sleep(0.05)
-        reap_pids.extend(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()  # type: ignore[union-attr]
 
 
 def _write_prompts(path: Path, n: int) -> list[str]:
@@ -198,7 +173,7 @@ def test_killed_samples_run_resumes_with_the_identical_command(
     argv = [DATAGEN, "run", "--partition", str(_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
             "--out", str(out), "--samples", "3"]
 
-    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    kill_after_first_commit(argv, _env(tmp_path), out, reap_pids, deadline_s=600)
     done = rows_on_disk(out, "ds")
     assert 6 <= done < 36
 
@@ -222,7 +197,7 @@ def test_killed_whole_conversation_run_resumes_with_the_identical_command(
     argv = [DATAGEN, "run", "--partition", str(_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
             "--out", str(out), "--samples", "2", "--regenerate", "all"]
 
-    _kill_after_first_commit(tmp_path, argv, out, reap_pids)
+    kill_after_first_commit(argv, _env(tmp_path), out, reap_pids, deadline_s=600)
     turns_done = turns_on_disk(out, "ds")
     assert 8 <= turns_done < 32
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 
 from emulator.simgpu import ENV_VAR
+from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home
 
@@ -83,3 +88,28 @@ def assert_exactly_once(out: Path, ids: dict[str, list[str]]) -> None:
         seen = Counter(i for f in sorted((out / name).glob("shard-*.parquet"))
                        for i in pq.read_table(f, columns=["id"]).column("id").to_pylist())
         assert sorted(seen) == sorted(expected) and set(seen.values()) == {1}, name
+
+
+def kill_after_first_commit(argv: list[str], env: dict[str, str], out: Path, reap_pids: list[int], *,
+                            dataset: str = "ds", deadline_s: float = 240.0) -> None:
+    """Start `datagen run` (``argv``) and SIGKILL its process alone (`kill -9 PID`) once a shard of
+    ``dataset`` is committed in ``out``. What it started (SGLang, its Prefect API server) is the next
+    run's to end; its pids go to ``reap_pids``, so the fixture ends whatever is left."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    reap_pids.append(proc.pid)
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not (out.exists() and OutputDir(out).read_manifest() and OutputDir(out).committed_indices(dataset)):
+            if proc.poll() is not None:
+                raise AssertionError(f"the run exited {proc.returncode} before a shard committed: "
+                                     f"{proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, f"no shard committed in {deadline_s:.0f} s"
+            time.sleep(0.05)
+        reap_pids.extend(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()  # type: ignore[union-attr]
