@@ -166,7 +166,8 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
         with_pids: processes treated as members although they may be outside the group (a process
             tree whose children started their own sessions): each gets every signal and is waited on.
         kill_pids: processes SIGKILLed with the group if it outlives ``grace_s``, but neither sent
-            ``first`` nor waited on (members seen earlier that left the group are still the caller's).
+            ``first`` nor waited on during the grace (members seen earlier that left the group are still
+            the caller's); after the SIGKILL they are waited on too, within ``kill_wait_s``.
         leader: the ``Popen`` of the group's leader, when this process started it.
         leader_first_s: when > 0, ``first`` goes to the group's leader alone (pid ``pgid``) and the
             group gets up to this much of ``grace_s`` to exit before ``first`` goes to every member.
@@ -191,5 +192,11 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
         return GroupEnd(signal.Signals(first).name, tuple(sorted(seen)))
     seen.update(group_pids(pgid))
     _signal(pgid, _identities(seen), signal.SIGKILL)
+    killed_at = time.monotonic()
     _wait(pgid, kill_wait_s, seen, outside, leader)
+    # SIGKILL is delivered, not instant: on a loaded host a killed pid outside the group (``kill_pids``)
+    # was still alive a moment later. Wait for those too, within the same bound.
+    stray = set(kill_pids)
+    while stray and live_pids(stray) and time.monotonic() - killed_at < kill_wait_s:
+        time.sleep(0.02)
     return GroupEnd("SIGKILL", tuple(sorted(seen)), tuple(live_pids(seen)))
