@@ -93,15 +93,19 @@ def _shard_files(out: Path, name: str, entry: Mapping[str, Any]) -> list[Path]:
     return files
 
 
-def _values(files: Iterable[Path]) -> tuple[dict[str, Counter[str]], Counter[str]]:
-    """Distinct values (with row counts) of the provenance columns, and rows per finish_reason."""
+def _values(files: Iterable[Path]) -> tuple[dict[str, Counter[str]], Counter[str], int]:
+    """Distinct values (with row counts) of the provenance columns, rows per finish_reason, and the
+    shards' uncompressed data bytes (Parquet row-group sizes: a split's ``num_bytes``)."""
     values: dict[str, Counter[str]] = {c: Counter() for c in _PROVENANCE}
     finish: Counter[str] = Counter()
+    size = 0
     for path in files:
         try:
             pf = pq.ParquetFile(path)
         except (OSError, pa.ArrowException):
             continue
+        meta = pf.metadata
+        size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
         names = set(pf.schema_arrow.names)
         cols = [c for c in (*_PROVENANCE, "finish_reason") if c in names]
         table = pf.read(columns=cols)
@@ -110,7 +114,7 @@ def _values(files: Iterable[Path]) -> tuple[dict[str, Counter[str]], Counter[str
             counter = finish if c == "finish_reason" else values[c]
             for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True):
                 counter["null" if v is None else str(v)] += int(n)
-    return values, finish
+    return values, finish, size
 
 
 def _report(out: Path) -> dict[str, Any]:
@@ -152,13 +156,12 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
         if i == 0:
             config["default"] = True
         configs.append(config)
-        size = _data_bytes(files)
+        values, finish, size = _values(files)
         # the `datasets` form of a split: name, bytes (uncompressed) and examples, else it warns
         infos.append({"config_name": name, "features": hf_features(),
                       "splits": [{"name": _SPLIT, "num_bytes": size, "num_examples": rows}],
                       "download_size": sum(p.stat().st_size for p in files if p.is_file()),
                       "dataset_size": size})
-        values, finish = _values(files)
         verdict = (verdicts.get(name) or {}).get("verdict", "not validated")
         table_rows.append(f"| `{name}` | {rows:,} | {rejects:,} | {len(shards)} of {entry.get('num_shards', '?')} | "
                           f"{finish.get('stop', 0):,} / {finish.get('length', 0):,} / {finish.get('abort', 0):,} "
@@ -219,18 +222,6 @@ def _how_served(served: Mapping[str, int]) -> str:
         return (f"datagen (a Prefect workflow) {launched} for {n_launched:,} rows, and {shared} for "
                 f"{n_shared:,} rows")
     return f"datagen (a Prefect workflow) {shared if n_shared else launched}"
-
-
-def _data_bytes(files: Iterable[Path]) -> int:
-    """Uncompressed bytes of the shards' data (Parquet row-group sizes): a split's ``num_bytes``."""
-    total = 0
-    for path in files:
-        try:
-            meta = pq.ParquetFile(path).metadata
-        except (OSError, pa.ArrowException):
-            continue
-        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-    return total
 
 
 def _dataset_section(name: str, entry: Mapping[str, Any], values: Mapping[str, Counter[str]],

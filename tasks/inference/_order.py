@@ -122,17 +122,21 @@ class SendQueue:
         self.hold_s = hold_s
         self._entries: deque[Any] = deque()  # items, None stops and _Held groups
         self._count = 0
-        self._cond = asyncio.Condition()
+        # one lock, two waits: getters wake one at a time (a put wakes one, each get passes the turn
+        # on while rows remain), so a thousand workers are not all woken for every row
+        lock = asyncio.Lock()
+        self._readable = asyncio.Condition(lock)
+        self._room = asyncio.Condition(lock)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.held_groups = 0  # groups whose siblings were held (for the run's report and tests)
 
     async def put(self, item: Any) -> None:
         """Queue one row (or ``None``) as it is, behind everything queued."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self._count < self.maxsize)
+        async with self._room:
+            await self._room.wait_for(lambda: self._count < self.maxsize)
             self._entries.append(item)
             self._count += 1
-            self._cond.notify_all()
+            self._readable.notify()
 
     async def put_window(self, items: Sequence[Any], prompts: Sequence[str]) -> None:
         """Queue a window of rows in ``prefix_groups`` order; each group of several rows sends its
@@ -140,8 +144,8 @@ class SendQueue:
         The leader of a held group carries its gate as ``item.gate`` (the worker opens it)."""
         groups = prefix_groups(prompts)
         loop = asyncio.get_running_loop()
-        async with self._cond:
-            await self._cond.wait_for(lambda: self._count == 0 or self._count + len(items) <= self.maxsize)
+        async with self._room:
+            await self._room.wait_for(lambda: self._count == 0 or self._count + len(items) <= self.maxsize)
             for members, shared in groups:
                 rows = [items[i] for i in members]
                 if len(rows) == 1:
@@ -159,33 +163,35 @@ class SendQueue:
                 self._entries.append(_Held(gate, rows[1:]))
                 self.held_groups += 1
             self._count += len(items)
-            self._cond.notify_all()
+            self._readable.notify(len(items))
 
     async def open(self, gate: Gate) -> None:
         """The leader behind ``gate`` answered: release its siblings and remember its prefix."""
-        async with self._cond:
+        async with self._readable:
             gate.is_open = True
             self._known[gate.key] = None
             self._known.move_to_end(gate.key)
             while len(self._known) > _KNOWN_PREFIXES:
                 self._known.popitem(last=False)
-            self._cond.notify_all()
+            self._readable.notify_all()  # rare (once per group): every waiter may now find a sibling
 
     async def get(self) -> Any:
         """The first row not held (a held group's next sibling once its gate is open or due)."""
         loop = asyncio.get_running_loop()
-        async with self._cond:
+        async with self._readable:
             while True:
                 found, wake = self._take(loop.time())
                 if found is not _NOTHING:
                     self._count -= 1
-                    self._cond.notify_all()
+                    self._room.notify_all()  # the reader, the only putter
+                    if self._entries:
+                        self._readable.notify()  # pass the turn on: a stop may now be first
                     return found
                 if wake is None:
-                    await self._cond.wait()
+                    await self._readable.wait()
                     continue
                 try:
-                    await asyncio.wait_for(self._cond.wait(), timeout=max(0.0, wake - loop.time()))
+                    await asyncio.wait_for(self._readable.wait(), timeout=max(0.0, wake - loop.time()))
                 except TimeoutError:
                     pass
 
