@@ -1,9 +1,8 @@
 """`datagen run`: run the datagen flow now, in this process.
 
-    datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--model-path DIR] [--out DIR]
-                [--backend sglang|emulator] [--server-url URL ...] [--shard-size N] [--concurrency N]
-                [--tp-size N] [--mem-fraction-static F] [--reasoning-parser NAME]
-                [--samples N] [--regenerate last|all]
+    datagen run [--partition NAME|FILE.toml] [--input PATH ...] [--SETTING VALUE ...]
+
+The options are the run settings (tasks.config.RUN_SETTINGS; docs/configuration.md lists them).
 
 Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else starts
 its own API server for the run ($DATAGEN_API_START_TIMEOUT_S bounds its start, default 120 s). A
@@ -40,8 +39,7 @@ from datagen._cli import (
     reports_errors,
 )
 from flows.gpulimit import ensure_limits, limit_name
-from tasks.config import BACKENDS, ConfigError, Overrides, PartitionConfig, load_partition, project_root
-from tasks.inference import REGENERATE_MODES
+from tasks.config import ConfigError, Overrides, PartitionConfig, add_cli_options, load_partition, project_root
 from tasks.shards import OutputDir, OutputLocked
 
 
@@ -88,28 +86,7 @@ def ui_url() -> str | None:
 def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run the datagen flow now.", epilog=exit_codes(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--partition", help="partition name in deployments/ or a .toml path "
-                   "(default: adhoc with --input, else all)")
-    p.add_argument("--input", dest="inputs", action="append", metavar="PATH",
-                   help="ad-hoc dataset file (JSONL or Parquet); repeatable; replaces the partition's datasets")
-    p.add_argument("--model-path", help="model directory (on the target host)")
-    p.add_argument("--out", help="output directory (used as is: no nightly versioning)")
-    p.add_argument("--backend", choices=BACKENDS)
-    p.add_argument("--server-url", action="append", metavar="URL",
-                   help="use this running server: no launch, no hygiene; repeatable (work goes to whichever is free)")
-    p.add_argument("--shard-size", type=int)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--tp-size", type=int, help="GPUs the launched server uses (tensor parallel size)")
-    p.add_argument("--mem-fraction-static", type=float, help="where the tuner starts")
-    p.add_argument("--reasoning-parser", help="SGLang reasoning parser name (default: the partition's / the model's)")
-    p.add_argument("--truncation-retries", type=int, metavar="N",
-                   help="generate rows that finish by length again, up to N times, with a larger budget "
-                   "(run.truncation; 0: never)")
-    p.add_argument("--samples", type=int, metavar="N",
-                   help="rows per prompt, each with its own sampling seed (default: the partition's run.samples)")
-    p.add_argument("--regenerate", choices=REGENERATE_MODES,
-                   help="last: the last assistant turn; all: every assistant turn of the conversation, "
-                        "each from the model's own earlier turns (default: the partition's run.regenerate)")
+    add_cli_options(p)  # one option per run setting (tasks.config.RUN_SETTINGS)
     return p
 
 

@@ -28,15 +28,7 @@ from flows.context import RunContext, unlinked
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.hooks import cleanup_hook
-from flows.params import (
-    Backend,
-    MemFraction,
-    NonNegativeInt,
-    PositiveInt,
-    ReasoningParser,
-    Regenerate,
-    documented,
-)
+from flows.params import declared
 from flows.progress import Progress
 from flows.stages import (
     infer_dataset,
@@ -79,23 +71,8 @@ def flow_run_name() -> str:
     retries=0,
     validate_parameters=True,
 )
-@documented
-def datagen(
-    partition: str = "all",
-    inputs: list[str] | None = None,
-    model_path: str | None = None,
-    out: str | None = None,
-    backend: Backend | None = None,
-    server_url: str | list[str] | None = None,
-    shard_size: PositiveInt | None = None,
-    concurrency: PositiveInt | None = None,
-    tp_size: PositiveInt | None = None,
-    mem_fraction_static: MemFraction | None = None,
-    reasoning_parser: ReasoningParser | None = None,
-    truncation_retries: NonNegativeInt | None = None,
-    samples: PositiveInt | None = None,
-    regenerate: Regenerate | None = None,
-) -> dict[str, Any]:
+@declared
+def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
     """Generate a partition's datasets. An empty parameter keeps the partition's value.
 
     Raises:
@@ -103,7 +80,7 @@ def datagen(
         ServerGone: no server is left: each died, hung or became unreachable past its
             ``max_relaunches`` budget (the message says why each went).
     """
-    overrides = Overrides.from_mapping(locals())
+    overrides = Overrides.from_mapping(settings)
     run_id = _flow_run_id()
     cfg = load_config(partition, overrides)
     ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id, explicit_fraction=overrides.mem_fraction_static)

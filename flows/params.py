@@ -1,68 +1,43 @@
-"""The datagen flow's parameters as Prefect's custom-run form shows them: a type with choices or
-bounds for each, and one description per parameter.
+"""The datagen flow's parameters, generated from the run settings (tasks.config.RUN_SETTINGS).
 
-Prefect builds a deployment's parameter schema from the flow's type hints and the ``Args:`` section
-of its docstring; :func:`documented` writes that section from :data:`PARAMETER_HELP`, so a new
-parameter is one entry there and one argument of the flow.
+Prefect builds a deployment's parameter schema (and its custom-run form) from the flow's signature
+and the ``Args:`` section of its docstring; :func:`declared` writes both from the declarations, so
+a new parameter is one ``RunSetting``. :func:`form_schema` then tidies the optional parameters for
+the form.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from pydantic import Field
+from tasks.config import PARTITION, RUN_SETTINGS, RunSetting, flow_parameters
 
-from tasks.reasoning import PARSERS
+__all__ = ["PARAMETER_HELP", "declared", "form_schema"]
 
-__all__ = ["PARAMETER_HELP", "Backend", "MemFraction", "PositiveInt", "ReasoningParser", "documented", "form_schema"]
-
-Backend = Literal["sglang", "emulator"]
-if TYPE_CHECKING:
-    ReasoningParser = str
-else:  # the choices are SGLang's parser names, as tasks.reasoning knows them
-    ReasoningParser = Literal[tuple(sorted(PARSERS))]
-MemFraction = Annotated[float, Field(gt=0.0, lt=1.0)]  # the config's own check: strictly between 0 and 1
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-Regenerate = Literal["last", "all"]  # tasks.inference.REGENERATE_MODES
-
-# Empty (None) keeps the partition's value; the partition key each one overrides is named.
-PARAMETER_HELP: dict[str, str] = {
-    "partition": "Partition to run: a name in deployments/ (all, demo, ...) or a path to a TOML file.",
-    "inputs": "Ad-hoc dataset files (JSONL or Parquet) replacing the partition's [datasets]; each is "
-              "named after its file.",
-    "model_path": "Model directory on the server's host ([model] path).",
-    "out": "Output directory, used as is: no nightly versioning ([output] root).",
-    "backend": "Server backend: sglang, or the emulator (no GPU) ([server] backend).",
-    "server_url": "Running servers to use (http://host:port; one or a list): no launch, no GPU hygiene "
-                  "([run] server_url).",
-    "shard_size": "Rows per committed shard ([run] shard_size).",
-    "concurrency": "Requests in flight to each server ([run] concurrency).",
-    "tp_size": "GPUs the launched server uses, tensor parallel ([server] tp_size).",
-    "mem_fraction_static": "SGLang --mem-fraction-static for the first launch of this run: wins over the "
-                           "fraction the tuner remembers (a relaunch after a runtime OOM still goes lower) "
-                           "([server] mem_fraction_static is only where the tuner starts).",
-    "reasoning_parser": "SGLang reasoning parser splitting reasoning from content ([model] reasoning_parser; "
-                        "default: the model's).",
-    "truncation_retries": "Times a row that finished by length is generated again with a larger budget "
-                          "([run.truncation] retries; 0: off).",
-    "samples": "Rows per prompt, each with its own sampling seed ([run] samples).",
-    "regenerate": "last: regenerate the last assistant turn; all: every assistant turn, each from the model's "
-                  "own earlier turns ([run] regenerate).",
-}
+# One description per flow parameter, in order (the form's field descriptions).
+PARAMETER_HELP: dict[str, str] = {s.name: s.description for s in (PARTITION, *RUN_SETTINGS)}
 
 F = TypeVar("F", bound=Callable[..., object])
 
 
-def documented(fn: F) -> F:
-    """Append an ``Args:`` section built from :data:`PARAMETER_HELP` to ``fn``'s docstring (the
-    descriptions Prefect shows in the custom-run form). Apply it under ``@flow``."""
-    lines = ["", "Args:"] + [f"    {name}: {text}" for name, text in PARAMETER_HELP.items()]
-    doc = (fn.__doc__ or "").rstrip()
-    indent = "    "
-    fn.__doc__ = doc + "\n" + "\n".join(indent + line if line else line for line in lines) + "\n"
+def declared(fn: F, settings: Sequence[RunSetting] = RUN_SETTINGS) -> F:
+    """Give ``fn(partition="all", **settings)`` one typed keyword parameter per run setting and an
+    ``Args:`` docstring section describing each. Apply it under ``@flow``.
+
+    Prefect reads the signature (``inspect.signature`` follows ``__signature__``) for the parameter
+    schema and for validating a run's parameters; the body receives the settings as keywords.
+    """
+    params = [inspect.Parameter("partition", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="all",
+                                annotation=str), *flow_parameters(settings)]
+    returns = inspect.signature(fn).return_annotation
+    fn.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
+    fn.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
+    lines = ["", "Args:"] + [f"    {s.name}: {s.description}" for s in (PARTITION, *settings)]
+    doc = inspect.cleandoc(fn.__doc__ or fn.__name__).rstrip()  # a summary line: the Args section parses after one
+    fn.__doc__ = doc + "\n" + "\n".join(lines) + "\n"
     return fn
 
 

@@ -2,7 +2,8 @@
 
 ``load_partition("all")`` reads ``deployments/all.toml`` (a path to any ``.toml`` works too) into a
 frozen ``PartitionConfig``; every error is a ``ConfigError`` naming the file and the key. The keys
-are listed in the README (Configuration). Parts: ``_model`` (value objects, ``Overrides``),
+are listed in docs/configuration.md. Parts: ``_settings`` (the run settings, each declared once,
+and ``Overrides``), ``_model`` (value objects),
 ``_load`` (finding and parsing files), ``_checks`` (value checks), ``_servers`` (the servers of a
 partition: ``[server] targets`` entries, ``PartitionConfig.servers()``).
 """
@@ -11,18 +12,34 @@ from __future__ import annotations
 
 from tasks.config._checks import ConfigError
 from tasks.config._load import deployments_dir, list_partitions, load_partition, project_root, state_dir
-from tasks.config._model import BACKENDS, Overrides, PartitionConfig, ServerSettings, SimGpuSettings
+from tasks.config._model import PartitionConfig, ServerSettings, SimGpuSettings
+from tasks.config._settings import (
+    BACKENDS,
+    PARTITION,
+    RUN_SETTINGS,
+    Overrides,
+    RunSetting,
+    add_cli_options,
+    flow_parameters,
+    reference_table,
+)
 
 __all__ = [
     "BACKENDS",
     "ConfigError",
+    "PARTITION",
+    "RUN_SETTINGS",
     "Overrides",
     "PartitionConfig",
+    "RunSetting",
     "ServerSettings",
     "SimGpuSettings",
+    "add_cli_options",
     "deployments_dir",
+    "flow_parameters",
     "list_partitions",
     "load_partition",
     "project_root",
+    "reference_table",
     "state_dir",
 ]

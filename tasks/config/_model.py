@@ -28,6 +28,7 @@ from tasks.config._checks import (
     regenerate_mode,
     writable_dir,
 )
+from tasks.config._settings import BACKENDS, Overrides, check_text
 from tasks.config._servers import ServerSlot, TargetServers, slots_of
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
@@ -47,8 +48,8 @@ __all__ = [
     "dataset_name_of",
 ]
 
-BACKENDS = ("sglang", "emulator")
 _ENV_API_KEY = "DATAGEN_API_KEY"
+_LAUNCH_OVERRIDES = frozenset({"backend", "tp_size", "mem_fraction_static"})  # ServerConfig fields
 
 
 @dataclass(frozen=True)
@@ -98,56 +99,6 @@ SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT
                         | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch", "target_servers"})
 
 
-@dataclass(frozen=True)
-class Overrides:
-    """Settings a run may override: ``datagen run`` options and the flow's parameters (same names).
-
-    Every field is optional; None keeps the partition's value. The field list is the single list
-    of overrides: the CLI and the flow derive theirs from it (``from_mapping``, ``names``).
-    """
-
-    inputs: tuple[str, ...] | None = None
-    model_path: str | None = None
-    out: str | None = None
-    backend: str | None = None
-    server_url: str | tuple[str, ...] | None = None  # one or several running servers
-    shard_size: int | None = None
-    concurrency: int | None = None
-    tp_size: int | None = None
-    mem_fraction_static: float | None = None
-    reasoning_parser: str | None = None
-    truncation_retries: int | None = None
-    samples: int | None = None
-    regenerate: str | None = None
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """The override names, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> Overrides:
-        """The overrides among ``values`` (e.g. argparse's namespace or the flow's parameters);
-        other keys are ignored, and so are None values."""
-        picked = {k: values[k] for k in cls.names() if values.get(k) is not None}
-        if "inputs" in picked:
-            picked["inputs"] = tuple(str(p) for p in picked["inputs"])
-        if isinstance(picked.get("server_url"), list | tuple):
-            picked["server_url"] = tuple(str(u) for u in picked["server_url"]) or None
-            if picked["server_url"] is None:
-                del picked["server_url"]
-        return cls(**picked)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The set overrides as keyword arguments of the flow (lists where the flow takes one)."""
-        out = {k: getattr(self, k) for k in self.names() if getattr(self, k) is not None}
-        if "inputs" in out:
-            out["inputs"] = list(out["inputs"])
-        if isinstance(out.get("server_url"), tuple):
-            out["server_url"] = list(out["server_url"])
-        return out
-
-
 def _input_datasets(inputs: tuple[str, ...], where: str) -> dict[str, Path]:
     datasets: dict[str, Path] = {}
     for raw in inputs:
@@ -183,7 +134,6 @@ class PartitionConfig:
     output_root: Path = Path("data/out")
     versioned: bool = False
     sim_gpus: SimGpuSettings | None = None
-    server_url: str | None = None  # the first of ``server_urls``
     hygiene_grace_s: float = 10.0
     hang_timeout_s: float = 120.0
     order: str = "prefix"  # send order: prefix (cache-aware) | input
@@ -195,12 +145,10 @@ class PartitionConfig:
     samples: int = 1  # rows per prompt
     regenerate: str = "last"  # tasks.inference.REGENERATE_MODES
 
-    def __post_init__(self) -> None:
-        # server_url and server_urls name the same servers: whichever was given fills the other.
-        if self.server_urls and self.server_url != self.server_urls[0]:
-            object.__setattr__(self, "server_url", self.server_urls[0])
-        elif self.server_url is not None and not self.server_urls:
-            object.__setattr__(self, "server_urls", (self.server_url,))
+    @property
+    def server_url(self) -> str | None:
+        """The first running server of ``server_urls``; None: the run launches its own."""
+        return self.server_urls[0] if self.server_urls else None
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -226,7 +174,7 @@ class PartitionConfig:
 
     def for_url(self, url: str) -> PartitionConfig:
         """This config using the one running server at ``url``."""
-        return dataclasses.replace(self, server_url=url, server_urls=(url,))
+        return dataclasses.replace(self, server_urls=(url,))
 
     def with_overrides(self, overrides: Overrides) -> PartitionConfig:
         """A copy with ``overrides`` applied and validated with the file's checks.
@@ -241,39 +189,24 @@ class PartitionConfig:
         where = "override"
         server = self.server
         changes: dict[str, Any] = {}
-        if overrides.inputs:
-            changes["datasets"] = _input_datasets(overrides.inputs, where)
         launch: dict[str, Any] = {}
-        if overrides.model_path is not None:
-            changes["model_path"] = launch["model_path"] = str(Path(overrides.model_path).expanduser().resolve())
-        if overrides.out is not None:
-            changes["output_root"] = writable_dir(Path(overrides.out).expanduser().resolve(), where, "out")
-            changes["versioned"] = False
-        if overrides.backend is not None:
-            if overrides.backend not in BACKENDS:
-                raise ConfigError(f"{where}: backend: {overrides.backend!r} is not one of {', '.join(BACKENDS)}")
-            launch["backend"] = overrides.backend
-        if overrides.server_url is not None:
-            urls = (overrides.server_url,) if isinstance(overrides.server_url, str) else overrides.server_url
-            changes["server_urls"] = check_urls(urls, where, "server_url")
-            changes["server_url"] = changes["server_urls"][0]
-        if overrides.shard_size is not None:
-            changes["shard_size"] = positive_int(overrides.shard_size, where, "shard_size")
-        if overrides.concurrency is not None:
-            changes["concurrency"] = positive_int(overrides.concurrency, where, "concurrency")
-        if overrides.tp_size is not None:
-            launch["tp_size"] = positive_int(overrides.tp_size, where, "tp_size")
-        if overrides.mem_fraction_static is not None:
-            launch["mem_fraction_static"] = fraction(overrides.mem_fraction_static, where, "mem_fraction_static")
-        if overrides.reasoning_parser is not None:
-            changes["reasoning_parser"] = parser_name(overrides.reasoning_parser, where, "reasoning_parser")
-        if overrides.truncation_retries is not None:
-            changes["truncation"] = {**self.truncation,
-                                     "retries": nonneg_int(overrides.truncation_retries, where, "truncation_retries")}
-        if overrides.samples is not None:
-            changes["samples"] = positive_int(overrides.samples, where, "samples")
-        if overrides.regenerate is not None:
-            changes["regenerate"] = regenerate_mode(overrides.regenerate, where, "regenerate")
+        for setting, value in overrides.items():
+            name = setting.name
+            if name == "inputs":
+                changes["datasets"] = _input_datasets(value, where)
+            elif name == "model_path":
+                changes["model_path"] = launch["model_path"] = str(Path(check_text(value, where, name)).expanduser().resolve())
+            elif name == "out":
+                changes["output_root"] = writable_dir(Path(check_text(value, where, name)).expanduser().resolve(), where, name)
+                changes["versioned"] = False
+            elif name == "server_url":
+                changes["server_urls"] = check_urls((value,) if isinstance(value, str) else value, where, name)
+            elif name in _LAUNCH_OVERRIDES:
+                launch[name] = setting.check(value, where, name)
+            elif name == "truncation_retries":
+                changes["truncation"] = {**self.truncation, "retries": setting.check(value, where, name)}
+            else:  # a [run] or [model] value of the same name
+                changes[name] = setting.check(value, where, name)
         try:
             server = dataclasses.replace(server, launch=dataclasses.replace(server.launch, **launch))
         except ServerConfigError as exc:  # e.g. tp_size above the number of server.gpus: name the override
