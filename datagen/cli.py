@@ -38,18 +38,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "repair": ("datagen.cmd_repair", "un-commit missing or damaged shards so the next run regenerates them"),
     "resplit": ("datagen.cmd_resplit", "re-derive reasoning/content from stored raw text"),
     "export": ("datagen.cmd_export", "export an output as sharegpt / openai-messages JSONL"),
-    "emulator": ("emulator.cli", "the SGLang stand-in (takes sglang.launch_server flags + --emu-...)"),
-    "gpu-sim": ("emulator.gpusim_cli", "simulated GPUs: init, show, hold"),
     "up": ("datagen.cmd_up", "start a local Prefect server, work pool, deployments and worker"),
     "worker": ("datagen.cmd_up", "start one more Prefect worker, for a work pool (this or another control host)"),
     "down": ("datagen.cmd_up", "stop what `datagen up` and `datagen worker` started (by pid file)"),
 }
 
 
+def _commands() -> dict[str, tuple[str, str]]:
+    """datagen's commands and the stand-ins' (entry-point group ``datagen.commands``: a module with
+    ``main(argv)`` whose docstring's first line is its help), when installed."""
+    from importlib.metadata import entry_points
+
+    found = dict(COMMANDS)
+    for ep in sorted(entry_points(group="datagen.commands"), key=lambda e: e.name):
+        found.setdefault(ep.name, (ep.value, "stand-in (not installed in production): `datagen "
+                                   f"{ep.name} --help`"))
+    return found
+
+
 def _usage() -> str:
     lines = ["usage: datagen COMMAND [ARGS...]", "", "commands:"]
-    width = max(len(n) for n in COMMANDS)
-    for name, (_, help_text) in COMMANDS.items():
+    commands = _commands()
+    width = max(len(n) for n in commands)
+    for name, (_, help_text) in commands.items():
         lines.append(f"  {name:<{width}}  {help_text}")
     lines.append("")
     lines.append("`datagen COMMAND --help` for a command's options and exit codes.")
@@ -96,7 +107,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def _interrupted(name: str, what: str, code: int) -> int:
-    print(f"datagen{' ' + name if name in COMMANDS else ''}: {what}", file=sys.stderr, flush=True)
+    print(f"datagen{' ' + name if name in COMMANDS or name in STAND_INS else ''}: {what}", file=sys.stderr, flush=True)
     # Everything the command started was stopped on the way here; exiting now skips atexit work
     # (Prefect's queued logs for an API server that may be gone) that would otherwise retry for minutes.
     with contextlib.suppress(Exception):
@@ -112,10 +123,11 @@ def _dispatch(argv: list[str]) -> int:
         print(f"datagen {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    commands = COMMANDS if name in COMMANDS else _commands()
+    if name not in commands:
         print(f"datagen: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module = importlib.import_module(commands[name][0])
     if name in ("up", "down", "worker"):
         return int(module.main([name, *rest]) or 0)
     return int(module.main(rest) or 0)

@@ -292,3 +292,19 @@ class SimGpus:
 
     def total_mib(self, gpu: int) -> int:
         return int(self._gpu(self._read(), gpu)["total_mib"])
+
+
+class _Registered:
+    """What datagen finds under its ``datagen.sim_gpus`` entry point (tasks.gpus.sim_gpu_backend)."""
+
+    env_var = ENV_VAR
+
+    def snapshot(self) -> dict[str, Any]:
+        return SimGpus().snapshot()
+
+    def create(self, path: str | os.PathLike[str], *, count: int, total_mib: int, name: str | None = None,
+               release_delay_s: float = 0.0) -> str:
+        return use_sim_gpus(path, count=count, total_mib=total_mib, name=name, release_delay_s=release_delay_s)
+
+
+REGISTERED = _Registered()

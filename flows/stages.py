@@ -35,8 +35,6 @@ from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 from prefect.utilities.annotations import quote
 
-from emulator.simgpu import ENV_VAR as SIM_GPUS_ENV
-from emulator.simgpu import use_sim_gpus
 from flows import runrecord
 from flows.context import RunContext, RunPlan
 from flows.progress import Progress, artifact_key
@@ -44,7 +42,7 @@ from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.card import write_card
 from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
-from tasks.gpus import SIM_GPUS_NOTE
+from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE, sim_gpu_backend
 from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
     DatasetSpec,
@@ -194,8 +192,12 @@ def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
     if current or cfg.server.launch.backend != "emulator" or cfg.sim_gpus is None:
         return current or None
     s = cfg.sim_gpus
-    return use_sim_gpus(root / "_sim-gpus.json", count=s.count, total_mib=s.total_mib, name=s.name,
-                        release_delay_s=s.release_delay_s)
+    try:
+        backend = sim_gpu_backend()
+    except LookupError as exc:
+        raise ConfigError(f"{cfg.source or cfg.name}: [sim_gpus]: {exc}") from exc
+    return str(backend.create(root / "_sim-gpus.json", count=s.count, total_mib=s.total_mib, name=s.name,
+                              release_delay_s=s.release_delay_s))
 
 
 @task(task_run_name=_run_name("hygiene-{phase}-{host}-{gpus}"), retries=2,

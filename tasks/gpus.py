@@ -2,7 +2,7 @@
 
 It runs on the GPU host: ``tasks.hygiene`` imports it for the local target and ships this source
 whole (one ``python3 -c`` argument) to remote ones, calling :func:`main` there. So it stays one file,
-standard library only at import time (``pynvml`` and ``emulator.simgpu`` are optional, lazy), with
+standard library only at import time (``pynvml`` and the simulated GPUs are optional, lazy), with
 no imports from the rest of datagen, and speaks plain JSON (:func:`handle`):
 ``{"op": "discover", "gpus"}`` -> GPUs, their users, the /proc table and the probe's own pids;
 ``{"op": "clean", "targets": [{"pid", "start"}], ...}`` -> ``{"terminated", "wait"}``;
@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "SIM_GPUS_ENV",
+    "SIM_GPUS_GROUP",
     "SIM_GPUS_NOTE",
+    "sim_gpu_backend",
     "GpuReading",
     "GpuUser",
     "ProcInfo",
@@ -43,6 +46,10 @@ __all__ = [
 ]
 
 MIB = 1024 * 1024
+SIM_GPUS_ENV = "DATAGEN_SIM_GPUS"
+# The stand-in registry: an installed package (the emulator) registers its simulated GPUs under this
+# entry-point group; datagen names no such module, so a production install may leave it out.
+SIM_GPUS_GROUP = "datagen.sim_gpus"
 SIM_GPUS_NOTE = "DATAGEN_SIM_GPUS is set: simulated GPUs only, the host's real GPUs are not looked at"
 PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
 SMI_TIMEOUT_S = 20.0
@@ -390,15 +397,34 @@ def _read_smi() -> tuple[list[GpuReading], list[GpuUser]]:
     return gpus, [GpuUser(pid, gpu, mib, "nvidia-smi") for (pid, gpu), mib in users.items()]
 
 
+def sim_gpu_backend() -> Any:
+    """The simulated GPUs registered under the ``datagen.sim_gpus`` entry-point group (the
+    emulator's: ``snapshot()`` and ``create(path, count=, total_mib=, name=, release_delay_s=)``).
+
+    Raises:
+        LookupError: none is installed.
+    """
+    from importlib.metadata import entry_points
+
+    found = sorted(entry_points(group=SIM_GPUS_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise LookupError(f"no simulated GPUs are installed (entry-point group {SIM_GPUS_GROUP}; the emulator "
+                          "package provides them)")
+    try:
+        return found[0].load()
+    except Exception as exc:  # an installed but broken stand-in
+        raise LookupError(f"simulated GPUs {found[0].value} cannot be loaded: {exc}") from exc
+
+
 def _read_sim() -> tuple[list[GpuReading], list[GpuUser]]:
-    if not os.environ.get("DATAGEN_SIM_GPUS", "").strip():
+    if not os.environ.get(SIM_GPUS_ENV, "").strip():
         raise _Unavailable("DATAGEN_SIM_GPUS is not set")
     try:
-        from emulator.simgpu import SimGpus
-    except ImportError as exc:
-        raise _Unavailable(f"DATAGEN_SIM_GPUS is set but emulator.simgpu cannot be imported: {exc}") from exc
+        backend = sim_gpu_backend()
+    except LookupError as exc:
+        raise _Unavailable(f"DATAGEN_SIM_GPUS is set but {exc}") from exc
     try:
-        snap = SimGpus().snapshot()
+        snap = backend.snapshot()
     except Exception as exc:  # SimGpuError: missing or corrupt state file
         raise _Unavailable(f"simulated GPUs: {exc}") from exc
     gpus: list[GpuReading] = []

@@ -1,0 +1,55 @@
+"""The product's layers: no module of datagen, flows, tasks or deployments imports the emulator
+(its test double), which registers itself through entry points; a production install without it
+still imports and runs every product command."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("datagen", "flows", "tasks", "deployments")
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names.append(str(node.args[0].value))
+    return names
+
+
+def test_no_product_module_imports_the_emulator() -> None:
+    offenders = [f"{p.relative_to(ROOT)}: {name}" for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))
+                 for name in _imports(p) if name == "emulator" or name.startswith("emulator.")]
+    assert offenders == []
+
+
+def test_the_product_runs_without_the_emulator_installed(tmp_path: Path) -> None:
+    # `emulator` made unimportable, as in an install that leaves it out: the product imports, the CLI
+    # lists only its own commands, and simulated GPUs say what is missing instead of crashing.
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "sys.modules['emulator'] = None\n"
+        "real = md.entry_points\n"
+        "md.entry_points = lambda **kw: [] if kw.get('group', '').startswith('datagen.') else real(**kw)\n"
+        "import datagen.cli, flows.datagen, tasks.gpus as g\n"
+        "import os; os.environ['DATAGEN_SIM_GPUS'] = sys.argv[1]\n"
+        "print(datagen.cli.main(['gpu-sim', 'show']))\n"
+        "try:\n    g.sim_gpu_backend()\nexcept LookupError as exc:\n    print('lookup:', exc)\n"
+    )
+    env = {"PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sim.json")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "2", "lookup: no simulated GPUs are installed (entry-point group datagen.sim_gpus; the emulator package "
+             "provides them)"]
+    assert "unknown command 'gpu-sim'" in out.stderr
