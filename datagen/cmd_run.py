@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
@@ -39,8 +39,18 @@ from datagen._cli import (
     reports_errors,
 )
 from flows.gpulimit import ensure_limits, limit_name
-from tasks.config import ConfigError, Overrides, PartitionConfig, add_cli_options, load_partition, project_root
+from tasks.config import (
+    ConfigError,
+    Overrides,
+    PartitionConfig,
+    add_cli_options,
+    load_partition,
+    project_root,
+)
 from tasks.shards import OutputDir, OutputLocked
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
 
 
 # Prefect reads its settings when imported: these run before any Prefect import. Without
@@ -117,7 +127,8 @@ def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
 
         if cfg.server_url is None:
             ensure_limits([limit_name(t) for t in cfg.targets])
-        state = datagen(partition=partition, **overrides.as_kwargs(), return_state=True)
+        # cast: the flow's settings are keywords, which hides return_state's overload from mypy
+        state = cast("State[Any]", datagen(partition=partition, **overrides.as_kwargs(), return_state=True))
         if state.is_completed():
             return EXIT_OK, state.result()
         err = state.result(raise_on_failure=False)

@@ -1,25 +1,28 @@
-"""The servers of a run: one session per server, all launched at once, fed through one ServerPool.
+"""The servers of a run: one lifecycle per server, all started at once, fed through one ServerPool.
 
 ``Fleet(ctx, total_rows)`` is a context manager around the run's inference. On entry it submits one
-``serve-server`` task per server (a Prefect task run named ``server-<host>[gpu ...]``): the session
-cleans its GPUs, launches with the tuned fraction (remembered per host), checks ``/health_generate``
-and adds its server to ``fleet.pool``; a server someone else runs (``run.server_url``) is identified
-and added with no launch and no hygiene. ``wait_ready()`` returns once one server serves and raises
-the first launch error when none became ready (the others are reported and skipped).
+``serve-server`` task per server (a Prefect task run named ``server-<host>[gpu ...]``), which runs
+that server's whole lifecycle (:func:`serve_server`): hygiene -> launch (tuned, the fraction
+remembered per host) -> health -> serve -> (relaunch within ``run.max_relaunches``) -> stop. A
+server someone else runs (``run.server_url``) is identified and served, with no hygiene, launch or
+stop. ``wait_ready()`` returns once one server serves and raises the first launch error when none
+became ready (the others are reported and skipped).
 
 A server the dispatcher drops (it died, hung and was killed by the hang watchdog, or its host became
-unreachable) is diagnosed, then relaunched within ``run.max_relaunches`` (per server) once its host
-answers, which is waited for at most ``run.host_wait_s``; otherwise it is given up and the run goes
-on with the others. On exit every session stops its server, and ``report()`` (rows, tokens/s,
-launches, what was lost and why) is logged and published as the ``servers-<partition>`` artifact;
-while the run lasts, one progress artifact per server shows its rows and tokens/s.
+unreachable) is diagnosed, then relaunched within its budget once its host answers, which is waited
+for at most ``run.host_wait_s``; otherwise it is given up and the run goes on with the others. Each
+lifecycle returns one :class:`ServerResult`; on exit ``results`` holds them all, ``report()`` (rows,
+tokens/s, launches, what was lost and why) is logged and published as the ``servers-<partition>``
+artifact; while the run lasts, one progress artifact per server shows its rows and tokens/s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import time
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 from uuid import UUID
@@ -27,24 +30,49 @@ from uuid import UUID
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
 
 from flows.context import RunContext, unlinked
 from flows.progress import artifact_key
-from flows.session import ServerSession
-from flows.stages import diagnose_server, health_check, hygiene
-from tasks.inference import ServerPool
+from flows.stages import diagnose_server, health_check, hygiene, identify_server, launch_server, stop
+from tasks.inference import Endpoint, ServerPool
+from tasks.server import HangWatchdog, ServerHandle
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
-__all__ = ["Fleet", "serve_server"]
+__all__ = ["RELAUNCHED_TAG", "Fleet", "ServerResult", "serve_server"]
+
+RELAUNCHED_TAG = "relaunched"  # on the flow run: the run list tells a relaunched run from a clean one
 
 REPORT_EVERY_S = 10.0
 _PROBE_TIMEOUT_S = 15.0
 
 
+@dataclass
+class ServerResult:
+    """How one server's lifecycle ended.
+
+    Args:
+        name: the server (``host[gpu ...]`` or its URL).
+        state: "stopped" (served until the run ended), "never ready", "refused" (it would generate
+            other rows than the run's other servers) or "lost" (dropped past its budget).
+        relaunches: relaunches used.
+        gpu_seconds: GPUs x seconds the lifecycle held them (hygiene to stop); 0 for a shared server.
+        error: why it never became ready (the launch error), else None.
+        left_running: what could not be stopped ("" when all was).
+    """
+
+    name: str
+    state: str = "stopped"
+    relaunches: int = 0
+    gpu_seconds: float = 0.0
+    error: BaseException | None = None
+    left_running: str = ""
+
+
 class Fleet:
-    """The run's server sessions and their pool (see the module docstring).
+    """The run's server lifecycles and their pool (see the module docstring).
 
     Args:
         ctx: the run (``ctx.cfg.servers()`` to launch, else ``ctx.cfg.server_urls`` to use).
@@ -55,11 +83,8 @@ class Fleet:
         self.ctx = ctx
         self.total_rows = max(1, total_rows)
         self.pool = ServerPool()
-        self.errors: dict[str, BaseException] = {}  # servers that never became ready
-        self.left: dict[str, str] = {}  # servers that could not be stopped
         self.closing = threading.Event()
-        self.relaunched: dict[str, int] = {}  # relaunches per server, once its session ended
-        self.gpu_seconds: dict[str, float] = {}  # GPUs x time held per launched server
+        self.results: list[ServerResult] = []  # one per server, once the fleet has exited
         self.members: list[tuple[str, RunContext]] = []
         cfg = ctx.cfg
         if ctx.launches:
@@ -68,7 +93,7 @@ class Fleet:
                 self.members.append((slot.label(server_ctx.gpus), server_ctx))
         else:
             self.members = [(url, ctx.for_server(cfg.for_url(url))) for url in cfg.server_urls]
-        self._futures: list[PrefectFuture[Any]] = []
+        self._futures: list[PrefectFuture[ServerResult]] = []
         self._artifacts: dict[str, UUID] = {}
         self._reporter: threading.Thread | None = None
 
@@ -76,7 +101,8 @@ class Fleet:
         for name, _ in self.members:
             self.pool.expect(name)
         for name, server_ctx in self.members:
-            self._futures.append(serve_server.submit(unlinked(server_ctx), name, unlinked(self)))
+            self._futures.append(serve_server.submit(unlinked(server_ctx), name, unlinked(self.pool),
+                                                     unlinked(self.closing)))
         context = contextvars.copy_context()
         self._reporter = threading.Thread(target=context.run, args=(self._report_loop,),
                                           name="datagen-fleet-report", daemon=True)
@@ -87,11 +113,18 @@ class Fleet:
                  tb: TracebackType | None) -> None:
         self.closing.set()
         self.pool.close()
-        for future in self._futures:
-            future.wait()
+        self.results = [self._result(f, name) for f, (name, _) in zip(self._futures, self.members, strict=True)]
         if self._reporter is not None:
             self._reporter.join(timeout=30)
         self._publish(final=True)
+
+    @staticmethod
+    def _result(future: PrefectFuture[ServerResult], name: str) -> ServerResult:
+        future.wait()
+        try:
+            return future.result()
+        except BaseException as exc:  # the lifecycle never raises for its server; a crash is reported
+            return ServerResult(name, "lost", error=exc)
 
     def wait_ready(self) -> None:
         """Wait for the first server to serve.
@@ -101,18 +134,25 @@ class Fleet:
         """
         if self.pool.wait_ready():
             return
-        for name, _ in self.members:
-            if name in self.errors:
-                raise self.errors[name]
+        for future, (name, _) in zip(self._futures, self.members, strict=True):
+            error = self._result(future, name).error
+            if error is not None:
+                raise error
         raise RuntimeError(f"no server became ready: {self.pool.why_none()}")
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs of the run's launched servers (at least 1)."""
+        return max(1, sum(len(member.gpus) for _, member in self.members))
 
     def report(self) -> list[dict[str, Any]]:
         """Per server: rows, tokens/s, launches, state, why it was dropped or lost, and whether it
         could not be stopped."""
+        left = {r.name: r.left_running for r in self.results if r.left_running}
         rows = self.pool.report()
         for r in rows:
-            if r["server"] in self.left:
-                r["left_running"] = self.left[r["server"]]
+            if r["server"] in left:
+                r["left_running"] = left[r["server"]]
         return rows
 
     # -- artifacts ---------------------------------------------------------------------------------
@@ -157,127 +197,206 @@ class Fleet:
             logger.warning("servers artifact not created: %s", exc)
 
 
-def _session_name() -> str:
+def _lifecycle_name() -> str:
     return f"server-{task_run.parameters['name']}"
 
 
-@task(name="serve-server", task_run_name=_session_name, cache_policy=NONE)
-def serve_server(ctx: RunContext, name: str, fleet: Fleet) -> dict[str, Any]:
-    """One server's session for the whole run: launch (or identify), serve until the run ends,
-    relaunch when dropped within the budget, stop. Never raises for the server's sake: a server that
-    never becomes ready or is lost is reported and the run goes on with the others."""
+class _Server:
+    """The state of one lifecycle: the server now running (if any), relaunches, GPU time held."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.handle: ServerHandle | None = None
+        self.relaunches = 0
+        self.fingerprint = ctx.fingerprint
+        self.started: float | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where to send requests now (it changes with a relaunch). A closed port forward reads as
+        gone at once: the server cannot be reached through it."""
+        cfg = self.ctx.cfg
+        if self.handle is None:
+            assert cfg.server_url is not None, "a launched server's endpoint before its launch"
+            return Endpoint(cfg.server_url, self.fingerprint, cfg.api_key())
+        return Endpoint(self.handle.url, self.fingerprint, cfg.api_key(), alive=self.handle.reachable_and_alive)
+
+    def watchdog(self) -> contextlib.AbstractContextManager[HangWatchdog | None]:
+        """The hang watchdog of a launched server (none for a shared one: not ours to kill)."""
+        if self.handle is None:
+            return contextlib.nullcontext()
+        return HangWatchdog(self.handle, self.ctx.cfg.hang_timeout_s, get_run_logger())
+
+    def result(self, name: str, state: str, error: BaseException | None = None) -> ServerResult:
+        held = time.monotonic() - self.started if self.ctx.launches and self.started is not None else 0.0
+        return ServerResult(name, state, self.relaunches, held * len(self.ctx.gpus), error)
+
+
+@task(name="serve-server", task_run_name=_lifecycle_name, cache_policy=NONE)
+def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threading.Event) -> ServerResult:
+    """One server's lifecycle for the whole run, stage by stage: hygiene -> launch (tuned) ->
+    health -> serve -> (relaunch within the budget) -> stop. A shared server (``run.server_url``)
+    is identified, checked and served only. Never raises for the server's sake: a server that never
+    becomes ready or is lost is reported and the run goes on with the others."""
     logger = get_run_logger()
-    pool = fleet.pool
-    session = ServerSession(ctx)
+    server = _Server(ctx)
     unreachable_launch = False  # a launch failed with its host unreachable: a server may run there
     why = ""  # why the last server was dropped ("" until one served)
+    result: ServerResult | None = None
     try:
-        while True:
+        while result is None:
             try:
-                _bring_up(ctx, session, why)
+                _bring_up(server, why)
             except Exception as exc:
                 lost_host = ctx.launches and not reachable(ctx.target)
                 unreachable_launch = unreachable_launch or lost_host
-                if lost_host and session.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, fleet):
-                    if session.handle is None:
-                        session.relaunches += 1  # a relaunch() counts its own
+                if lost_host and server.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, closing):
+                    if server.handle is None:
+                        server.relaunches += 1  # a relaunch of a known server counts its own
                     pool.expect(name, "relaunching")
                     continue
                 reason = f"{type(exc).__name__}: {_short(exc)}"
                 if not why:
-                    fleet.errors[name] = exc
                     pool.give_up(name, f"never ready: {reason}")
                     logger.error("server %s never became ready (skipped): %s", name, reason)
-                    return {"server": name, "state": "never ready"}
-                pool.give_up(name, f"{why}; relaunch failed: {reason}")
-                logger.error("server %s lost: relaunch failed: %s", name, reason)
-                return {"server": name, "state": "lost"}
+                    result = server.result(name, "never ready", exc)
+                else:
+                    pool.give_up(name, f"{why}; relaunch failed: {reason}")
+                    logger.error("server %s lost: relaunch failed: %s", name, reason)
+                    result = server.result(name, "lost")
+                break
             try:
-                lane = pool.add(name, session.endpoint, recoverable=ctx.launches)
+                lane = pool.add(name, server.endpoint, recoverable=ctx.launches)
             except ValueError as exc:  # it would generate other rows than the run's other servers
-                fleet.errors[name] = exc
                 pool.give_up(name, f"refused: {exc}")
                 logger.error("server %s refused (skipped): %s", name, exc)
-                return {"server": name, "state": "refused"}
+                result = server.result(name, "refused", exc)
+                break
             logger.info("server %s serving at %s", name, lane.endpoint.url)
-            with session.watchdog() as dog:
+            with server.watchdog() as dog:
                 lane.dropped.wait()
             if pool.closed:
-                return {"server": name, "state": "stopped", "relaunches": session.relaunches}
-            why = _why_dropped(ctx, session, dog)
+                result = server.result(name, "stopped")
+                break
+            why = _why_dropped(server, dog)
             lane.reason = f"{why}: {lane.reason}"
-            budget = ctx.cfg.max_relaunches
-            nxt = (f"the flow relaunches the server (relaunch {session.relaunches + 1}/{budget})"
-                   if ctx.launches and session.relaunches < budget else "not relaunched")
-            logger.warning("server %s dropped: %s; rows done are safe on disk; %s", name, lane.reason, nxt)
-            if not ctx.launches:
-                return {"server": name, "state": "lost"}  # someone else's server: not ours to relaunch
-            if session.relaunches >= ctx.cfg.max_relaunches:
-                pool.give_up(name, f"{why}; relaunch budget spent ({ctx.cfg.max_relaunches})")
-                return {"server": name, "state": "lost"}
-            if not _wait_reachable(ctx, fleet):
-                pool.give_up(name, f"host unreachable for {ctx.cfg.host_wait_s:g} s" if why == "host unreachable"
-                             else f"{why}; then its host was unreachable for {ctx.cfg.host_wait_s:g} s")
-                return {"server": name, "state": "lost"}
-            pool.expect(name, "relaunching")
+            lost = _relaunch_or_lose(server, name, why, lane.reason, pool, closing)
+            if lost:
+                result = server.result(name, "lost")
     finally:
-        _end(ctx, name, session, fleet, unreachable_launch)
-        fleet.relaunched[name] = session.relaunches
-        if session.held_s is not None:
-            fleet.gpu_seconds[name] = session.held_s * len(ctx.gpus)
+        left = _end(server, name, unreachable_launch)
+    assert result is not None
+    result.left_running = left
+    return result
 
 
-def _bring_up(ctx: RunContext, session: ServerSession, why: str) -> None:
-    """Launch the session's server (clean GPUs first), or relaunch it when one is known (``why``:
-    why it was dropped), and check that it generates."""
-    if session.handle is None:
-        session.start()
+def _relaunch_or_lose(server: _Server, name: str, why: str, reason: str, pool: ServerPool,
+                      closing: threading.Event) -> bool:
+    """After a drop: True (and the server given up) when it is not relaunched; else the pool
+    expects it back."""
+    ctx = server.ctx
+    budget = ctx.cfg.max_relaunches
+    nxt = (f"the flow relaunches the server (relaunch {server.relaunches + 1}/{budget})"
+           if ctx.launches and server.relaunches < budget else "not relaunched")
+    get_run_logger().warning("server %s dropped: %s; rows done are safe on disk; %s", name, reason, nxt)
+    if not ctx.launches:
+        return True  # someone else's server: not ours to relaunch
+    if server.relaunches >= budget:
+        pool.give_up(name, f"{why}; relaunch budget spent ({budget})")
+        return True
+    if not _wait_reachable(ctx, closing):
+        pool.give_up(name, f"host unreachable for {ctx.cfg.host_wait_s:g} s" if why == "host unreachable"
+                     else f"{why}; then its host was unreachable for {ctx.cfg.host_wait_s:g} s")
+        return True
+    pool.expect(name, "relaunching")
+    return False
+
+
+def _bring_up(server: _Server, why: str) -> None:
+    """The lifecycle's first stages: hygiene -> launch -> health (a shared server: identify ->
+    health). ``why``: why the running server was dropped, when this is a relaunch (it is stopped
+    first, and a runtime OOM starts the relaunch lower)."""
+    ctx = server.ctx
+    if server.started is None:
+        server.started = time.monotonic()
+    if not ctx.launches:
+        server.fingerprint = identify_server(unlinked(ctx))
     else:
-        oom = why == "died (too_high)"
-        session.relaunch(diagnose=False, reason=f"a runtime OOM at {session.handle.fraction}" if oom else why)
-    health_check(unlinked(ctx), session.endpoint)
+        phase, reason = "before-launch", ""
+        if server.handle is not None:  # a relaunch
+            server.relaunches += 1
+            _tag_run(ctx.run_id, RELAUNCHED_TAG)
+            oom = why == "died (too_high)"
+            reason = (f"a runtime OOM at {server.handle.fraction}" if oom else why) or "the server was dropped"
+            _stop(server)
+            phase = f"relaunch-{server.relaunches}"
+        # unlinked(): the run's context (and a handle, whose fields hold the config's strings) is no
+        # upstream result of each task: the graph shows the launch feeding its users, nothing more.
+        hygiene(unlinked(ctx), phase)
+        server.handle = launch_server(unlinked(ctx), attempt=server.relaunches + 1, reason=reason)
+    health_check(unlinked(ctx), server.endpoint)
 
 
-def _end(ctx: RunContext, name: str, session: ServerSession, fleet: Fleet, unreachable_launch: bool) -> None:
-    """Stop the session's server; when its host does not answer, wait for it (at most
+def _stop(server: _Server) -> None:
+    if server.handle is not None:
+        stop(unlinked(server.ctx), unlinked(server.handle))
+        server.handle = None
+
+
+def _tag_run(run_id: str | None, tag: str) -> None:
+    """Add ``tag`` to the flow run's tags (never raises: observability must not fail the run)."""
+    if not run_id:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            tags = list(client.read_flow_run(UUID(run_id)).tags or [])
+            if tag not in tags:
+                client.update_flow_run(UUID(run_id), tags=[*tags, tag])
+    except Exception as exc:
+        get_run_logger().warning("flow run not tagged %r: %s", tag, exc)
+
+
+def _end(server: _Server, name: str, unreachable_launch: bool) -> str:
+    """The last stage: stop the server; when its host does not answer, wait for it (at most
     ``run.host_wait_s``) so that nothing is left running: stop it then, or clean its GPUs when a
-    launch failed there. What still cannot be stopped is reported (``fleet.left``)."""
+    launch failed there. Returns what still could not be stopped ("" when nothing)."""
+    ctx = server.ctx
     logger = get_run_logger()
     deadline = time.monotonic() + ctx.cfg.host_wait_s
     delay = 1.0
     while True:
         try:
-            if session.handle is not None:
-                session.stop()
+            if server.handle is not None:
+                _stop(server)
             elif unreachable_launch:
                 hygiene(unlinked(ctx), "after-unreachable")
-            return
+            return ""
         except Exception as exc:
             left = deadline - time.monotonic()
             if ctx.launches and left > 0 and not reachable(ctx.target):
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 15.0)
                 continue
-            handle = session.handle
-            fleet.left[name] = f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
+            handle = server.handle
             logger.error("server %s could not be stopped (%s): clean its GPUs once %s answers "
                          "(datagen clean-gpus --host %s)", name, _short(exc), ctx.host, ctx.target)
-            return
+            return f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
 
 
-def _why_dropped(ctx: RunContext, session: ServerSession, dog: Any) -> str:
+def _why_dropped(server: _Server, dog: Any) -> str:
     """Why a launched server was dropped: hung (the watchdog killed it), host unreachable, its port
     forward ended, or died (the log's classification; a runtime OOM is recorded so the relaunch
     starts lower)."""
+    ctx = server.ctx
     if getattr(dog, "fired", False):
         return f"hung (/health_generate failed for {ctx.cfg.hang_timeout_s:g} s while it ran; killed)"
-    if session.handle is None:
+    if server.handle is None:
         return "gone"
     if not reachable(ctx.target):
         return "host unreachable"
-    if not session.handle.route_open():
+    if not server.handle.route_open():
         return "connection to its host lost (the SSH port forward ended)"
-    return f"died ({diagnose_server(unlinked(ctx), unlinked(session.handle))})"
+    return f"died ({diagnose_server(unlinked(ctx), unlinked(server.handle))})"
 
 
 def reachable(target: str) -> bool:
@@ -290,18 +409,18 @@ def reachable(target: str) -> bool:
         return False
 
 
-def _wait_reachable(ctx: RunContext, fleet: Fleet) -> bool:
+def _wait_reachable(ctx: RunContext, closing: threading.Event) -> bool:
     """Wait (backing off to 15 s between probes) until the server's host answers; False when the
     run ends first or ``run.host_wait_s`` passes."""
     deadline = time.monotonic() + ctx.cfg.host_wait_s
     delay = 1.0
-    while not fleet.closing.is_set():
+    while not closing.is_set():
         if reachable(ctx.target):
             return True
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        fleet.closing.wait(min(delay, left))
+        closing.wait(min(delay, left))
         delay = min(delay * 2, 15.0)
     return False
 

@@ -7,8 +7,8 @@ disk, which is the only source of truth. The tasks after ``load_config`` and ``p
 the run's ``RunContext`` (``promote``: its plan).
 
 Not retried: configuration errors, validation failures, a changed input, a locked output, a model
-or flag the server rejects, a server that died or stopped answering (``ServerGone``: the server
-session relaunches it). Retried with backoff: GPUs not yet clean (the driver releases memory late),
+or flag the server rejects, a server that died or stopped answering (``ServerGone``: the server's
+lifecycle relaunches it, flows/fleet.py). Retried with backoff: GPUs not yet clean (the driver releases memory late),
 a launch that failed for a transient reason, transport errors during inference.
 """
 
@@ -47,7 +47,6 @@ from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
     DatasetSpec,
     Endpoint,
-    ServerGone,
     ServerPool,
     ShardProgress,
     check_resume,
@@ -387,20 +386,15 @@ def stop(ctx: RunContext, handle: ServerHandle) -> None:
 @task(task_run_name=_run_name("infer-{dataset}@{host}"), retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NONE)
-def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool, progress: Progress,
-                  relaunch: str = "") -> dict[str, Any]:
+def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool, progress: Progress) -> dict[str, Any]:
     """Generate one dataset into the run's output, resuming committed shards and journals, against
     one server or the run's pool of servers (each request to whichever is free).
-
-    Args:
-        relaunch: what the flow does if the server dies (e.g. "relaunch 1/3"); empty: the run
-            stops (no budget left, or a shared server).
 
     Raises:
         ValidationFailed: the first rows (the canary) or a committed shard failed validation (not
             retried).
-        ServerGone: the server died or stopped answering (the session relaunches it); with a pool,
-            no server is left and none is coming back.
+        ServerGone: no server is left and none is coming back (each server's lifecycle relaunches
+            its own within its budget first).
         Exception: what ``tasks.inference.run_dataset`` raises; transport errors are retried.
     """
     logger = get_run_logger()
@@ -422,18 +416,8 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | Serve
 
     t0 = time.monotonic()
     settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
-    try:
-        result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
-                             progress=on_progress, on_canary=on_canary)
-    except ServerGone as exc:
-        if not relaunch:
-            raise
-        # Self-healing: a warning, and a message that says what happens next (not "rerun").
-        cause = exc.__cause__ if isinstance(exc.__cause__, ServerGone) else exc
-        logger.warning("server on %s gone while generating %s: %s; %d rows of this run are safe on disk; "
-                       "the flow relaunches the server (%s)", ctx.host, spec.name, cause, exc.rows_done, relaunch)
-        raise ServerGone(f"{cause} ({exc.rows_done} rows safe on disk; {relaunch} follows)",
-                         last_error=exc.last_error, rows_done=exc.rows_done, result=exc.result) from exc
+    result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
+                         progress=on_progress, on_canary=on_canary)
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):
         logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "

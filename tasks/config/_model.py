@@ -20,16 +20,11 @@ from typing import Any
 
 from tasks.config._checks import (
     ConfigError,
-    fraction,
     input_file,
-    nonneg_int,
-    parser_name,
-    positive_int,
-    regenerate_mode,
     writable_dir,
 )
-from tasks.config._settings import BACKENDS, Overrides, check_text
 from tasks.config._servers import ServerSlot, TargetServers, slots_of
+from tasks.config._settings import BACKENDS, Overrides, check_text
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.targets import parse_target

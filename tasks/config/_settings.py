@@ -106,8 +106,9 @@ class RunSetting:
         """One value's type, with its choices or bounds (pydantic reads them for the form)."""
         if self.choices:
             return Literal[self.choices]  # type: ignore[valid-type]
-        bounds = {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("lt", self.lt)) if v is not None}
-        return Annotated[self.type, Field(**bounds)] if bounds else self.type
+        if self.ge is None and self.gt is None and self.lt is None:
+            return self.type
+        return Annotated[self.type, Field(ge=self.ge, gt=self.gt, lt=self.lt)]
 
     def annotation(self) -> Any:
         """The flow parameter's type: None (keep the partition's value) or a value."""

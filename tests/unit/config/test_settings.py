@@ -14,7 +14,15 @@ from prefect.utilities.callables import parameter_schema
 from datagen.cmd_run import build_parser
 from flows.datagen import datagen
 from flows.params import declared, form_schema
-from tasks.config import PARTITION, RUN_SETTINGS, ConfigError, Overrides, RunSetting, add_cli_options, load_partition
+from tasks.config import (
+    PARTITION,
+    RUN_SETTINGS,
+    ConfigError,
+    Overrides,
+    RunSetting,
+    add_cli_options,
+    load_partition,
+)
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

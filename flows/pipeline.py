@@ -1,0 +1,165 @@
+"""The run's guards and its ending, as the context managers the flow body enters.
+
+- :func:`opened_output`: the output's ``_lock`` and its committed shards checked intact, before any
+  GPU is touched (the flow's next line is the resume check, inside :func:`published`).
+- :func:`gpu_hosts`: what dead runs on this machine left is freed, then ``gpu:<host>`` of every host
+  is held while the run's servers live (flows/gpulimit.py).
+- :func:`gate_reported`: when a shard's validation gate stopped the run, the whole output's
+  validation report is still published.
+- :func:`published`: whatever the outcome, the progress artifact ends (done or failed) and the run
+  summary is published (flows/summary.py, the run record).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import get_run_logger
+
+from flows import runrecord
+from flows.context import RunContext, unlinked
+from flows.fleet import Fleet
+from flows.gpulimit import gpu_slots, release_lease, slot_holders
+from flows.progress import Progress
+from flows.stages import validate
+from flows.summary import RunSummary
+from tasks.prompts import iter_dataset
+from tasks.shards import OutputDir
+from tasks.validation import ValidationFailed
+
+__all__ = ["Outcome", "gate_reported", "gpu_hosts", "opened_output", "progress_of", "published"]
+
+
+@dataclass
+class Outcome:
+    """What the run produced, filled in as its stages end (the flow's return value)."""
+
+    ctx: RunContext
+    progress: Progress
+    fleet: Fleet
+    validation: dict[str, Any] | None = None
+    latest: str | None = None
+
+    def result(self) -> dict[str, Any]:
+        assert self.validation is not None
+        return {"partition": self.ctx.cfg.name, "out_dir": str(self.ctx.plan.out_dir), "latest": self.latest,
+                "shards": self.progress.done_shards, "rows": self.progress.rows,
+                "validation": self.validation["summary"], "servers": self.fleet.report()}
+
+
+def progress_of(ctx: RunContext) -> Progress:
+    """The run's progress counter over its datasets' records (rejects count: shard k is a fixed
+    input slice)."""
+    cfg = ctx.cfg
+    rows = {name: sum(1 for _ in iter_dataset(path, name)) for name, path in cfg.datasets.items()}
+    return Progress(partition=cfg.name, datasets=rows, shard_size=cfg.shard_size, concurrency=cfg.concurrency,
+                    logger=get_run_logger(), flow_run_id=ctx.run_id)
+
+
+@contextmanager
+def opened_output(ctx: RunContext, progress: Progress) -> Iterator[OutputDir]:
+    """Hold the output's lock; a missing or changed shard stops the run here, before a GPU is touched."""
+    output = OutputDir(ctx.plan.out_dir)
+    with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": ctx.run_id}):
+        output.check_intact()
+        progress.start(committed(output))
+        yield output
+
+
+@contextmanager
+def gpu_hosts(ctx: RunContext) -> Iterator[None]:
+    """Free what this machine's dead runs left, then hold ``gpu:<host>`` of each host the run
+    launches on (none for shared servers)."""
+    targets = [s.target for s in ctx.cfg.servers()] if ctx.launches else []
+    if targets:
+        _reclaim_dead_runs(ctx)
+    with gpu_slots(targets, on_lease=_record_lease(ctx.run_id),
+                   on_release=lambda: runrecord.update(ctx.run_id, lease_released=True),
+                   holders=lambda name: slot_holders(name, exclude=ctx.run_id)):
+        yield
+
+
+@contextmanager
+def gate_reported(ctx: RunContext) -> Iterator[None]:
+    """The shard gate stopped the run (``ValidationFailed`` from inference): publish the whole
+    output's validation report, then let the failure through."""
+    try:
+        yield
+    except ValidationFailed:
+        validate(unlinked(ctx), raise_on_failure=False)
+        raise
+
+
+@contextmanager
+def published(outcome: Outcome) -> Iterator[Outcome]:
+    """End the progress artifact and publish the run summary, whatever the outcome; never hides
+    the run's error."""
+    try:
+        yield outcome
+    except BaseException as exc:
+        _finish(outcome, exc)
+        raise
+    _finish(outcome, None)
+
+
+def committed(output: OutputDir) -> dict[str, tuple[int, int, int]]:
+    """Each dataset's committed shards, rows and rejects, as the output holds them."""
+    if not output.read_manifest():
+        return {}
+    found: dict[str, tuple[int, int, int]] = {}
+    for s in output.committed_shards():
+        shards, rows, rejects = found.get(s.dataset, (0, 0, 0))
+        found[s.dataset] = (shards + 1, rows + s.rows, rejects + s.rejects)
+    return found
+
+
+def _finish(outcome: Outcome, error: BaseException | None) -> None:
+    """End the progress artifact (done or failed) and publish the run summary; never raises."""
+    ctx, progress, fleet = outcome.ctx, outcome.progress, outcome.fleet
+    logger = get_run_logger()
+    name = type(error).__name__ if error is not None else ""
+    try:
+        progress.reconcile(committed(OutputDir(ctx.plan.out_dir)))
+    except Exception as exc:  # the counts are for people; the run's outcome stands
+        logger.warning("progress not reconciled with the output: %s", exc)
+    progress.close("failed" if error is not None else "done", name)
+    verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
+    reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""
+    gpus = fleet.gpus  # held_s: their mean time held
+    summary = RunSummary.of(progress, verdict=verdict, out_dir=str(ctx.plan.out_dir), latest=outcome.latest,
+                            gpus=gpus, held_s=sum(r.gpu_seconds for r in fleet.results) / gpus if ctx.launches else None,
+                            relaunches=sum(r.relaunches for r in fleet.results),
+                            max_relaunches=ctx.cfg.max_relaunches * max(1, len(fleet.members)),
+                            price=ctx.cfg.price_per_gpu_hour, reason=reason)
+    try:
+        runrecord.update(ctx.run_id, summary=summary.to_dict())
+        summary.publish()
+    except Exception as exc:  # observability must never fail the run (nor hide its error)
+        logger.warning("run summary artifact not created: %s", exc)
+    logger.info("%s", summary.headline())
+
+
+def _record_lease(run_id: str | None) -> Callable[[str], None]:
+    """``on_lease`` of gpu_slots: the lease and the process holding it, in the run record."""
+    def record(lease: str) -> None:
+        runrecord.update(run_id, lease=lease, owner=runrecord.owner(), lease_released=False)
+
+    return record
+
+
+def _reclaim_dead_runs(ctx: RunContext) -> None:
+    """Free what this machine's dead runs left (flows/runrecord.py): the ``gpu:<host>`` leases of
+    SIGKILLed runs, and their servers (e.g. a flow SIGKILLed while its server was still loading),
+    which would hold the port or GPU memory. Servers are ended by process group once their pid and
+    start time are checked."""
+    logger = get_run_logger()
+    for lease in runrecord.release_dead_leases(release_lease, exclude=ctx.run_id):
+        logger.warning("released gpu slot lease %s of a dead run on this host", lease)
+    for dead_run, entry in runrecord.end_dead_servers(exclude=ctx.run_id, grace_s=ctx.cfg.hygiene_grace_s):
+        logger.warning("ended server pid %s (process group %s) of dead run %s on this host",
+                       entry["pid"], entry.get("pgid") or entry["pid"], dead_run)
