@@ -1,6 +1,6 @@
 """``datagen emulator`` / ``python -m emulator``: the SGLang stand-in's main process.
 
-Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (README, "The SGLang emulator and
+Takes ``python -m sglang.launch_server`` flags plus ``--emu-*`` flags (docs/emulator.md, "The SGLang emulator and
 simulated GPUs"). Exit status as SGLang's: 2 usage error, 1 model dir missing or port taken, otherwise
 0 after a SIGTERM (requests drained, children ended), death by SIGKILL (-9) after a scheduler failure.
 """

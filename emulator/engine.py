@@ -1,7 +1,7 @@
 """The throughput model: batch slots, FIFO admission as prefill batches, one decode step per running batch.
 
 Requests that arrive in the same event-loop tick share a prefill batch even at zero latency, so the
-activation memory model applies either way (README, "Throughput model"). A radix cache
+activation memory model applies either way (docs/emulator.md, "Throughput model"). A radix cache
 (emulator/radix.py) serves prompt prefixes: a request admitted to a prefill batch matches its longest
 cached prefix, which costs no prefill time, activation memory or chunked-prefill budget, and is
 reported as ``cached_tokens``; prompts stay cached while the KV pool has room.

@@ -1,6 +1,6 @@
 """Model profiles and the per-rank GPU memory model of the emulator (sizes in GiB, "GB" in the logs
 as in SGLang): weights, KV pool, static buffers, CUDA graphs, and the activation headroom a prefill
-batch must fit in. The model and the demo profile's calibration are in the README, "Memory model".
+batch must fit in. The model and the demo profile's calibration are in docs/emulator.md, "Memory model".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An allocation counts while its owner (pid + start time) lives and is not a zombie, then for
 ``release_delay_s`` after it was first seen dead. Updates happen under ``flock(<file>.lock)`` and
-replace the file by rename. File format: README, "Simulated GPUs".
+replace the file by rename. File format: docs/emulator.md, "Simulated GPUs".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Deterministic output text in the model family's reasoning format, and the emulator's toy tokenizer.
 
 Outputs are built token by token in the tokenizer's own form, so ``completion_tokens ==
-count_tokens(text)`` for every answer (README, "Output text and tokenizer").
+count_tokens(text)`` for every answer (docs/emulator.md, "Output text and tokenizer").
 """
 
 from __future__ import annotations

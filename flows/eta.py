@@ -10,7 +10,7 @@ artifact can use, compared by ``bench/bench_eta.py`` on long-tailed output-lengt
   last ``concurrency`` rows outlasts an average one by the ``1 - 1/concurrency`` quantile of the
   committed rows' latencies minus their mean.
 
-``Eta.remaining_s`` uses ``steady_rate``, the bench's pick (README, Performance).
+``Eta.remaining_s`` uses ``steady_rate``, the bench's pick (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Input datasets (streamed, with stable ids and rejects) and prompt rendering with the model's chat
-template (sandboxed jinja2, set up the way transformers does). The row format is in the README, "Input".
+template (sandboxed jinja2, set up the way transformers does). The row format is in docs/output.md, "Input".
 """
 
 from __future__ import annotations

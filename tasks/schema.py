@@ -1,4 +1,4 @@
-"""The row schema of every committed shard (columns in the README, "Output layout and schema"), shared
+"""The row schema of every committed shard (columns in docs/output.md, "Output layout and schema"), shared
 by the writer, the validator, resplit and export; Parquet files are written with zstd compression.
 
 Columns added after the first release have a value that rows written before them hold implicitly

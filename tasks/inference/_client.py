@@ -2,7 +2,7 @@
 
 Transport: aiohttp + orjson by default; ``ClientConfig.transport`` selects the httpx variants. The
 retry policy (transport errors, timeouts, 5xx, ``abort`` finishes; 503 "queue full" on its own
-budget; never other 4xx) and the liveness short-cut are in the README's Decisions (Retries).
+budget; never other 4xx) and the liveness short-cut are in docs/decisions/08-retries.md.
 
 Errors::
 

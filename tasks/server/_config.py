@@ -8,7 +8,7 @@ Errors::
 API key: never on a command line. With a key, the launcher runs a small bootstrap (``launch_argv``)
 that takes it from ``DATAGEN_SERVER_API_KEY`` in the environment, puts it in the server's
 ``sys.argv`` in memory only, and copies the server's output to the log with the key replaced by
-``***``; the README's Decisions give the trade-off.
+``***``; docs/decisions/05-api-key.md gives the trade-off.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SGLang server lifecycle: launch in its own session, readiness, and a clean stop.
 
 Readiness is ``/health_generate`` answering 200 while the launched process lives; a stop is a
-SIGTERM to the main process, then to its process group, then SIGKILL, followed by GPU hygiene. Why: README Decisions (Server launch, API key).
+SIGTERM to the main process, then to its process group, then SIGKILL, followed by GPU hygiene. Why: docs/decisions/03-server-launch.md, 05-api-key.md.
 
 Errors::
 

@@ -181,8 +181,7 @@ def test_max_relaunches_documented_as_one_budget_per_server() -> None:
     # The flow counts relaunches once per server for the whole run, across datasets
     # (tests/e2e/test_flow_recovery.py): the docs and every bundled partition that sets the key must
     # say so, not suggest a per-dataset count.
-    readme = (ROOT / "README.md").read_text()
-    doc = " ".join(readme[readme.index("## Configuration"):readme.index("## Architecture")].split())
+    doc = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
     assert "`run.max_relaunches` is a budget per server, not per dataset" in doc
     assert "all of the partition's datasets share it" in doc
     files = sorted((ROOT / "deployments").glob("*.toml"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from tasks.config import (
     RunSetting,
     add_cli_options,
     load_partition,
+    reference_table,
 )
 
 
@@ -88,3 +90,10 @@ def test_overrides_take_only_declared_names_and_check_them_with_the_declaration(
     with pytest.raises(ConfigError, match=r"^override: backend: 'vllm' is not one of sglang, emulator"):
         cfg.with_overrides(Overrides(backend="vllm"))
     assert cfg.with_overrides(Overrides(mem_fraction_static=0.8)).server.launch.mem_fraction_static == 0.8
+
+
+def test_the_configuration_reference_is_generated_from_the_declarations() -> None:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
+    start = text.index("-->\n", text.index("<!-- run-settings")) + 4
+    assert text[start:text.index("<!-- /run-settings -->")] == reference_table(), (
+        "docs/configuration.md's run settings differ from RUN_SETTINGS: paste tasks.config.reference_table()")
