@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(PY) -m mypy datagen emulator tasks flows
 
 unit: $(STAMP)
-	$(PY) -m pytest tests/unit -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
 # Two pytest-xdist workers, whole files per worker (module fixtures stay shared): most of the e2e
 # time is waiting on servers and runs, so two files at a time use the two cores. TEST_WORKERS=0: serial.

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from urllib.parse import urlsplit
 from uuid import UUID
 
+from flows import runrecord
 from tasks.errors import DatagenError
 
 __all__ = [
@@ -50,9 +51,9 @@ def limit_name(target: str) -> str:
 def ensure_limits(names: Iterable[str]) -> list[str]:
     """Create each missing global concurrency limit with limit 1; existing ones are left as they
     are (an operator may have changed them). Returns the names created. Needs a Prefect API."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.client.orchestration import get_client  # late: PREFECT_* set first
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate  # late: PREFECT_* set first
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound  # late: PREFECT_* set first
 
     created: list[str] = []
     with get_client(sync_client=True) as client:
@@ -93,7 +94,7 @@ def gpu_slots(targets: Iterable[str], timeout_s: float | None = None,
     if not names:
         yield names
         return
-    from prefect.concurrency._leases import maintain_concurrency_lease
+    from prefect.concurrency._leases import maintain_concurrency_lease  # late: PREFECT_* set first
 
     lease_id = _acquire(names, slot_wait_s() if timeout_s is None else timeout_s, holders)
     if on_lease is not None:
@@ -112,9 +113,9 @@ def _acquire(names: list[str], timeout_s: float, holders: Callable[[str], str] |
     Each request is one increment (all limits or none); a 423 answer means another holder, so the
     wait is logged (who holds it, then every ``_LOG_EVERY_S``) and retried. Never cancelled mid-request:
     a request cut off after the server counted the slot would leak it."""
-    import httpx
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+    import httpx  # late: PREFECT_* set first
+    from prefect.client.orchestration import get_client  # late: PREFECT_* set first
+    from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError  # late: PREFECT_* set first
 
     log = _logger()
     started = time.monotonic()
@@ -152,8 +153,6 @@ def _acquire(names: list[str], timeout_s: float, holders: Callable[[str], str] |
 def slot_holders(name: str, exclude: str | None = None) -> str:
     """Who holds limit ``name``, from the run records of this state directory: host, pid and flow
     run of each run with an unreleased lease on it (not ``exclude``), or a hint when none does."""
-    from flows import runrecord
-
     here = socket.gethostname()
     found = []
     for run_id, data in runrecord.records():
@@ -181,7 +180,7 @@ def _retry_after(value: str | None) -> float:
 
 def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
     try:
-        from prefect import get_run_logger
+        from prefect import get_run_logger  # late: PREFECT_* set first
 
         return get_run_logger()
     except Exception:
@@ -223,7 +222,7 @@ def release_lease(lease_id: str) -> bool:
     the lease is renewed first: a lease the API does not know (already released, expired, or kept
     by an API server that has since gone) gives False. Never raises: False on any error.
     """
-    from prefect.client.orchestration import get_client
+    from prefect.client.orchestration import get_client  # late: PREFECT_* set first
 
     try:
         with get_client(sync_client=True) as client:

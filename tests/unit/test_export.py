@@ -182,6 +182,7 @@ def _datagen(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "datagen", *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # `datagen` subprocesses: `make test`, not `make unit`
 def test_cli_export_and_resplit(good_output: Path, wrong_split_output: Path, tmp_path: Path) -> None:
     target = tmp_path / "train.jsonl"
     proc = _datagen("export", str(good_output), "--format", "sharegpt", "--out", str(target))
@@ -206,6 +207,7 @@ def test_cli_export_and_resplit(good_output: Path, wrong_split_output: Path, tmp
     assert proc.returncode == 2 and "run-42" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # `datagen` subprocesses: `make test`, not `make unit`
 def test_export_refuses_a_target_inside_the_output(good_output: Path) -> None:
     shard = good_output / "ds" / "shard-00000.parquet"
     before = {p: p.read_bytes() for p in (shard, good_output / "_manifest.json")}

@@ -213,6 +213,7 @@ def test_no_driver_no_sim_is_unknown_not_clean(monkeypatch, capsys):
     assert "UNKNOWN" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # `datagen` subprocesses: `make test`, not `make unit`
 def test_console_script_end_to_end(sim_gpus, holders, tmp_path):
     h = start_holder((7,), 3000)
     holders.append(h)

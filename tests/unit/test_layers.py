@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("datagen", "flows", "tasks", "deployments")
 
@@ -32,6 +34,7 @@ def test_no_product_module_imports_the_emulator() -> None:
     assert offenders == []
 
 
+@pytest.mark.slow  # `datagen` subprocesses: `make test`, not `make unit`
 def test_the_product_runs_without_the_emulator_installed(tmp_path: Path) -> None:
     # `emulator` made unimportable, as in an install that leaves it out: the product imports, the CLI
     # lists only its own commands, and simulated GPUs say what is missing instead of crashing.

@@ -14,6 +14,9 @@ from tasks.validation import validate_output
 from tests.support.outputs import clean_output, clean_rows, write_output
 from tests.support.paths import REPO_ROOT
 
+# Each test runs `datagen` commands as subprocesses (the user's path): the CLI tier of `make test`, not `make unit`.
+pytestmark = pytest.mark.slow
+
 
 def _datagen(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "datagen", *args], capture_output=True, text=True, timeout=60,

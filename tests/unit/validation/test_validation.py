@@ -380,6 +380,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert "unknown validation threshold 'bogus'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # `datagen` subprocesses: `make test`, not `make unit`
 def test_cli_real_process(tmp_path):
     bad = write_output(tmp_path / "bad", {"glaive": [clean_rows("glaive", 30, parser=None)]}, shard_size=30)
     proc = subprocess.run([sys.executable, "-m", "datagen", "validate", str(bad)], cwd=ROOT,
