@@ -1,15 +1,18 @@
 """What a run knows once it has started: the partition config, the output plan and the server's place.
 
 ``RunContext`` is built once in the flow, after the config is loaded and the output chosen, and
-handed to every stage task and to the server session instead of long argument lists.
+handed to every stage task and server lifecycle instead of long argument lists. It is a plain
+object, not a dataclass, on purpose: Prefect walks a task's dataclass arguments to draw the run's
+graph and would draw an edge from every task whose result the context holds (the config, the plan)
+to every task given the context; an opaque object is passed as is, so the graph shows only the data
+each task takes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from prefect.utilities.annotations import quote
 
@@ -24,9 +27,9 @@ T = TypeVar("T")
 
 
 def unlinked(value: T) -> T:
-    """``value`` as a task argument the run's graph draws no edge for (Prefect's ``quote``): the
-    run's context goes to every task, and an edge from the tasks that made its parts to each of
-    them would tangle the graph. The task receives ``value`` itself."""
+    """``value`` (a dataclass holding other tasks' results: a server handle, the progress counter)
+    as a task argument the run's graph draws no edge for (Prefect's ``quote``). The task receives
+    ``value`` itself."""
     return cast(T, quote(value))
 
 
@@ -41,7 +44,6 @@ class RunPlan:
     log_dir: Path
 
 
-@dataclass(frozen=True)
 class RunContext:
     """One run's fixed facts.
 
@@ -59,15 +61,35 @@ class RunContext:
             ``--mem-fraction-static``): the first launch uses it whatever the tuner remembers.
     """
 
-    cfg: PartitionConfig
-    plan: RunPlan
-    run_id: str | None
-    target: str
-    host: str
-    gpus: tuple[int, ...]
-    parser: str | None
-    fingerprint: str
-    explicit_fraction: float | None = None
+    __slots__ = ("cfg", "explicit_fraction", "fingerprint", "gpus", "host", "parser", "plan", "run_id", "target")
+
+    def __init__(self, *, cfg: PartitionConfig, plan: RunPlan, run_id: str | None, target: str, host: str,
+                 gpus: tuple[int, ...], parser: str | None, fingerprint: str,
+                 explicit_fraction: float | None = None) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.run_id = run_id
+        self.target = target
+        self.host = host
+        self.gpus = gpus
+        self.parser = parser
+        self.fingerprint = fingerprint
+        self.explicit_fraction = explicit_fraction
+
+    def _fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def replace(self, **changes: Any) -> RunContext:
+        """A copy with ``changes`` applied."""
+        return RunContext(**(self._fields() | changes))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunContext) and self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RunContext(partition={self.cfg.name!r}, run_id={self.run_id!r}, target={self.target!r}, gpus={self.gpus})"
 
     @classmethod
     def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None,
@@ -82,8 +104,8 @@ class RunContext:
         """The context of one server of the run: ``cfg`` is ``self.cfg.for_server(slot)`` (a
         launched server) or ``self.cfg.for_url(url)`` (a running one)."""
         target = cfg.targets[0]
-        return dataclasses.replace(self, cfg=cfg, target=target, host=host_of(target),
-                                   gpus=tuple(cfg.server_gpus()), fingerprint=cfg.server_fingerprint())
+        return self.replace(cfg=cfg, target=target, host=host_of(target), gpus=tuple(cfg.server_gpus()),
+                            fingerprint=cfg.server_fingerprint())
 
     @property
     def launches(self) -> bool:

@@ -69,16 +69,15 @@ def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
     ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id, explicit_fraction=overrides.mem_fraction_static)
     progress = progress_of(ctx)
     outcome = Outcome(ctx, progress, fleet := Fleet(ctx, total_rows=sum(progress.datasets.values())))
-    # unlinked(): every task gets the run's context (and the progress counter) as a constant, not as
-    # an upstream result: the run's graph shows only the data each task depends on.
+    # unlinked(progress): the counter is given to the task, not drawn as data it depends on
     with opened_output(ctx, progress), published(outcome):
-        resume_check(unlinked(ctx))  # a sampling or parser change stops the run before a GPU is touched
+        resume_check(ctx)  # a sampling or parser change stops the run before a GPU is touched
         with gate_reported(ctx), gpu_hosts(ctx), fleet:
             fleet.wait_ready()
             for name, path in cfg.datasets.items():
-                infer_dataset(unlinked(ctx), DatasetSpec(name, path), fleet.pool, unlinked(progress))
-        outcome.validation = validate(unlinked(ctx))
-        outcome.latest = promote(unlinked(ctx.plan))
+                infer_dataset(ctx, DatasetSpec(name, path), fleet.pool, unlinked(progress))
+        outcome.validation = validate(ctx)
+        outcome.latest = promote(ctx.plan)
     return outcome.result()
 
 

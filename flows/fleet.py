@@ -101,8 +101,8 @@ class Fleet:
         for name, _ in self.members:
             self.pool.expect(name)
         for name, server_ctx in self.members:
-            self._futures.append(serve_server.submit(unlinked(server_ctx), name, unlinked(self.pool),
-                                                     unlinked(self.closing)))
+            self._futures.append(serve_server.submit(server_ctx, name, self.pool,
+                                                     self.closing))
         context = contextvars.copy_context()
         self._reporter = threading.Thread(target=context.run, args=(self._report_loop,),
                                           name="datagen-fleet-report", daemon=True)
@@ -320,7 +320,7 @@ def _bring_up(server: _Server, why: str) -> None:
     if server.started is None:
         server.started = time.monotonic()
     if not ctx.launches:
-        server.fingerprint = identify_server(unlinked(ctx))
+        server.fingerprint = identify_server(ctx)
     else:
         phase, reason = "before-launch", ""
         if server.handle is not None:  # a relaunch
@@ -330,16 +330,14 @@ def _bring_up(server: _Server, why: str) -> None:
             reason = (f"a runtime OOM at {server.handle.fraction}" if oom else why) or "the server was dropped"
             _stop(server)
             phase = f"relaunch-{server.relaunches}"
-        # unlinked(): the run's context (and a handle, whose fields hold the config's strings) is no
-        # upstream result of each task: the graph shows the launch feeding its users, nothing more.
-        hygiene(unlinked(ctx), phase)
-        server.handle = launch_server(unlinked(ctx), attempt=server.relaunches + 1, reason=reason)
-    health_check(unlinked(ctx), server.endpoint)
+        hygiene(ctx, phase)
+        server.handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason)
+    health_check(ctx, server.endpoint)
 
 
 def _stop(server: _Server) -> None:
     if server.handle is not None:
-        stop(unlinked(server.ctx), unlinked(server.handle))
+        stop(server.ctx, unlinked(server.handle))  # a handle holds the config's strings: no edge from load-config
         server.handle = None
 
 
@@ -369,7 +367,7 @@ def _end(server: _Server, name: str, unreachable_launch: bool) -> str:
             if server.handle is not None:
                 _stop(server)
             elif unreachable_launch:
-                hygiene(unlinked(ctx), "after-unreachable")
+                hygiene(ctx, "after-unreachable")
             return ""
         except Exception as exc:
             left = deadline - time.monotonic()
@@ -396,7 +394,7 @@ def _why_dropped(server: _Server, dog: Any) -> str:
         return "host unreachable"
     if not server.handle.route_open():
         return "connection to its host lost (the SSH port forward ended)"
-    return f"died ({diagnose_server(unlinked(ctx), unlinked(server.handle))})"
+    return f"died ({diagnose_server(ctx, unlinked(server.handle))})"
 
 
 def reachable(target: str) -> bool:

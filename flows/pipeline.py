@@ -22,7 +22,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from flows import runrecord
-from flows.context import RunContext, unlinked
+from flows.context import RunContext
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.progress import Progress
@@ -91,7 +91,7 @@ def gate_reported(ctx: RunContext) -> Iterator[None]:
     try:
         yield
     except ValidationFailed:
-        validate(unlinked(ctx), raise_on_failure=False)
+        validate(ctx, raise_on_failure=False)
         raise
 
 

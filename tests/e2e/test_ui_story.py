@@ -120,9 +120,10 @@ def test_a_clean_run_names_its_runs_draws_a_clean_graph_and_summarises_itself(
         "load-config", "prepare-output", "resume-check", session, f"hygiene-before-launch-{gpu}",
         f"launch-{gpu}-1", f"health-{gpu}", f"infer-ds@{HOST}", f"stop-server-{gpu}", "validate-output",
         "promote-latest"]
-    # Only the data a task takes: the config for the output's choice, the launched server's endpoint,
-    # and the session holding its server's tasks.
-    assert _edges(tasks) == {("load-config", "prepare-output"), (f"launch-{gpu}-1", f"health-{gpu}"),
+    # Only the data a task takes: the config for the output's choice, the output plan for promotion,
+    # the launched server's endpoint, and the server's lifecycle holding its tasks.
+    assert _edges(tasks) == {("load-config", "prepare-output"), ("prepare-output", "promote-latest"),
+                             (f"launch-{gpu}-1", f"health-{gpu}"),
                              (session, f"hygiene-before-launch-{gpu}"), (session, f"launch-{gpu}-1"),
                              (session, f"health-{gpu}"), (session, f"stop-server-{gpu}")}
 
