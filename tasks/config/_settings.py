@@ -120,10 +120,6 @@ class RunSetting:
         return one | None
 
 
-def _positive(value: Any, where: str, key: str) -> int:
-    return positive_int(value, where, key)
-
-
 # The partition itself: a flow parameter and a CLI option, not an override of a partition key.
 PARTITION = RunSetting(
     "partition", str, "Partition to run: a name in deployments/ (all, demo, ...) or a path to a TOML file.", "",
@@ -140,10 +136,10 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("server_url", str, "Running servers to use (http://host:port; one or a list): no launch, no "
                "GPU hygiene; work goes to whichever is free.", "[run] server_url", one_or_many=True,
                metavar="URL", cli_help="repeatable"),
-    RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=_positive, ge=1, metavar="N"),
-    RunSetting("concurrency", int, "Requests in flight to each server.", "[run] concurrency", check=_positive, ge=1, metavar="N"),
+    RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=positive_int, ge=1, metavar="N"),
+    RunSetting("concurrency", int, "Requests in flight to each server.", "[run] concurrency", check=positive_int, ge=1, metavar="N"),
     RunSetting("tp_size", int, "GPUs the launched server uses, tensor parallel.", "[server] tp_size",
-               check=_positive, ge=1, metavar="N"),
+               check=positive_int, ge=1, metavar="N"),
     RunSetting("mem_fraction_static", float, "SGLang --mem-fraction-static for the first launch of this run: "
                "wins over the fraction the tuner remembers (a relaunch after a runtime OOM still goes lower).",
                "[server] mem_fraction_static is only where the tuner starts", check=fraction, gt=0.0, lt=1.0,
@@ -154,7 +150,7 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("truncation_retries", int, "Times a row that finished by length is generated again with a "
                "larger budget; 0: off.", "[run.truncation] retries", check=nonneg_int, ge=0, metavar="N"),
     RunSetting("samples", int, "Rows per prompt, each with its own sampling seed.", "[run] samples",
-               check=_positive, ge=1, metavar="N"),
+               check=positive_int, ge=1, metavar="N"),
     RunSetting("regenerate", str, "last: regenerate the last assistant turn; all: every assistant turn, each "
                "from the model's own earlier turns.", "[run] regenerate", check=regenerate_mode,
                choices=REGENERATE_MODES),
