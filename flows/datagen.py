@@ -25,9 +25,8 @@ from flows.fleet import Fleet
 from flows.hooks import cleanup_hook
 from flows.params import declared
 from flows.pipeline import Outcome, gate_reported, gpu_hosts, opened_output, progress_of, published
-from flows.stages import infer_dataset, load_config, prepare_run, promote, resume_check, validate
+from flows.stages import infer_dataset, load_config, open_datasets, prepare_run, promote, validate
 from tasks.config import Overrides
-from tasks.inference import DatasetSpec
 
 __all__ = ["datagen", "flow_run_name"]
 
@@ -71,11 +70,11 @@ def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
     outcome = Outcome(ctx, progress, fleet := Fleet(ctx, total_rows=sum(progress.datasets.values())))
     # unlinked(progress): the counter is given to the task, not drawn as data it depends on
     with opened_output(ctx, progress), published(outcome):
-        resume_check(ctx)  # a sampling or parser change stops the run before a GPU is touched
+        datasets = open_datasets(ctx)  # every guard, once: a changed input stops the run before a GPU is touched
         with gate_reported(ctx), gpu_hosts(ctx), fleet:
             fleet.wait_ready()
-            for name, path in cfg.datasets.items():
-                infer_dataset(ctx, DatasetSpec(name, path), fleet.pool, unlinked(progress))
+            for dataset in datasets.values():
+                infer_dataset(ctx, dataset, fleet.pool, unlinked(progress))
         outcome.validation = validate(ctx)
         outcome.latest = promote(ctx.plan)
     return outcome.result()

@@ -47,10 +47,11 @@ from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
     DatasetSpec,
     Endpoint,
+    OpenedDataset,
     ServerPool,
     ShardProgress,
-    check_resume,
     external_fingerprint,
+    open_dataset,
     run_dataset,
 )
 from tasks.server import (
@@ -85,7 +86,7 @@ __all__ = [
     "load_config",
     "prepare_run",
     "promote",
-    "resume_check",
+    "open_datasets",
     "stop",
     "validate",
 ]
@@ -109,10 +110,10 @@ def _run_name(fmt: str) -> Callable[[], str]:
     def name() -> str:
         params = {k: v.unquote() if isinstance(v, quote) else v for k, v in task_run.parameters.items()}
         ctx = params.pop("ctx")
-        spec = params.pop("spec", None)
+        dataset = params.pop("dataset", None)
         attempt = int(params.get("attempt", 1))
         again = f" (relaunch {attempt - 1}/{ctx.cfg.max_relaunches})" if attempt > 1 else ""
-        return fmt.format(host=ctx.host, gpus=gpu_label(ctx.gpus), dataset=getattr(spec, "name", ""),
+        return fmt.format(host=ctx.host, gpus=gpu_label(ctx.gpus), dataset=getattr(getattr(dataset, "spec", None), "name", ""),
                           again=again, **params)
 
     return name
@@ -170,18 +171,21 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     return RunPlan(out_dir=out, root=root, version=out.name if cfg.versioned else None, sim_gpus=sim, log_dir=log_dir)
 
 
-@task(name="resume-check", task_run_name="resume-check", cache_policy=NONE)
-def resume_check(ctx: RunContext) -> None:
-    """Before a GPU is touched: every dataset the output holds continues with its rows' sampling
-    and reasoning parser. Not retried.
+@task(name="open-datasets", task_run_name="open-datasets", cache_policy=NONE)
+def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
+    """Every guard of every dataset, once, under the output's lock and before a GPU is touched:
+    each dataset is bound to its input and shard size, half-done commits are undone and its rows'
+    sampling, samples, regeneration mode and parser must match this run's (the whole output was
+    checked intact when the lock was taken). Not retried.
 
     Raises:
-        InputChanged: a sampling or parser change (exit 2; the message names old and new values).
+        InputChanged: the input, shard size, sampling or parser changed (exit 2; the message names
+            old and new values).
+        UnrecordedShards, OSError: as ``tasks.inference.open_dataset`` raises them.
     """
-    out = OutputDir(ctx.plan.out_dir)
-    for name in ctx.cfg.datasets:
-        check_resume(out, name, ctx.cfg.sampling, ctx.parser,
-                     generation={"samples": ctx.cfg.samples, "regenerate": ctx.cfg.regenerate})
+    out, settings = OutputDir(ctx.plan.out_dir), ctx.inference()
+    return {name: open_dataset(DatasetSpec(name, path), out, settings, check_intact=False)
+            for name, path in ctx.cfg.datasets.items()}
 
 
 def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
@@ -386,9 +390,11 @@ def stop(ctx: RunContext, handle: ServerHandle) -> None:
 @task(task_run_name=_run_name("infer-{dataset}@{host}"), retries=2,
       retry_delay_seconds=exponential_backoff(backoff_factor=5), retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NONE)
-def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | ServerPool, progress: Progress) -> dict[str, Any]:
-    """Generate one dataset into the run's output, resuming committed shards and journals, against
-    one server or the run's pool of servers (each request to whichever is free).
+def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | ServerPool,
+                  progress: Progress) -> dict[str, Any]:
+    """Generate one opened dataset into the run's output, resuming committed shards and journals,
+    against one server or the run's pool of servers (each request to whichever is free). A retry
+    opens the dataset again (its guards run on what the failed attempt left).
 
     Raises:
         ValidationFailed: the first rows (the canary) or a committed shard failed validation (not
@@ -397,6 +403,7 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | Serve
             its own within its budget first).
         Exception: what ``tasks.inference.run_dataset`` raises; transport errors are retried.
     """
+    spec = dataset.spec
     logger = get_run_logger()
     thresholds = _thresholds(ctx.cfg)
     out_dir = ctx.plan.out_dir
@@ -416,8 +423,8 @@ def infer_dataset(ctx: RunContext, spec: DatasetSpec, endpoint: Endpoint | Serve
 
     t0 = time.monotonic()
     settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
-    result = run_dataset(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
-                         progress=on_progress, on_canary=on_canary)
+    result = run_dataset(spec, out_dir, endpoint, settings, opened=dataset if task_run.run_count <= 1 else None,
+                         on_shard_committed=on_shard_committed, progress=on_progress, on_canary=on_canary)
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):
         logger.warning("dataset %s: no manifest recorded its %d shard files in %s; each matched its input "

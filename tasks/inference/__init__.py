@@ -25,7 +25,7 @@ from tasks.inference._client import (
     server_error_message,
 )
 from tasks.inference._dispatch import Dispatcher, Lane, ServerPool
-from tasks.inference._driver import run_dataset, run_dataset_async
+from tasks.inference._driver import OpenedDataset, open_dataset, run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._order import ORDERS, prefix_order
 from tasks.inference._provenance import (
@@ -59,6 +59,7 @@ __all__ = [
     "ORDERS",
     "PROVENANCE_COLUMNS",
     "Lane",
+    "OpenedDataset",
     "PromptTooLong",
     "Provenance",
     "REGENERATE_MODES",
@@ -76,6 +77,7 @@ __all__ = [
     "external_fingerprint",
     "hf_snapshot",
     "model_revision",
+    "open_dataset",
     "prefix_order",
     "run_dataset",
     "run_dataset_async",

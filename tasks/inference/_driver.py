@@ -1,8 +1,10 @@
 """The inference driver: stream a dataset through ``/generate`` into committed Parquet shards.
 
-``run_dataset`` holds the output's lock, binds the dataset to its input fingerprint and shard size,
-undoes half-finished commits, refuses sampling, samples per prompt, regeneration mode or a parser
-other than its rows' (``check_resume``), then streams the input once: committed shards and journaled
+``open_dataset`` runs a dataset's guards once, under the output's lock and before any server is
+needed: it binds the dataset to its input fingerprint and shard size, undoes half-finished commits,
+refuses sampling, samples per prompt, regeneration mode or a parser other than its rows'
+(``check_resume``). ``run_dataset`` (holding the lock, opening the dataset unless given it opened)
+then streams the input once: committed shards and journaled
 ``(id, sample)`` rows are skipped, every generation is journaled as it arrives, and a shard commits
 once every sample of every record of its slice is accounted for. Memory is flat in the dataset size
 (a bounded queue feeds ``concurrency`` workers).
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import sys
 import threading
 import time
@@ -39,7 +40,7 @@ from tasks.prompts import ChatTemplate, InputRow, input_fingerprint, iter_datase
 from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import InputSlice, OutputDir, ShardRecord
 
-__all__ = ["canary_size", "run_dataset", "run_dataset_async"]
+__all__ = ["OpenedDataset", "canary_size", "open_dataset", "run_dataset", "run_dataset_async"]
 
 
 def input_slices(path: Path, dataset: str, shard_size: int) -> Iterator[InputSlice]:
@@ -70,92 +71,158 @@ def _first_error(exc: BaseException) -> BaseException:
     return exc
 
 
+class OpenedDataset:
+    """A dataset bound to its output and checked, before any request (:func:`open_dataset`).
+
+    A plain object, not a dataclass: Prefect draws it as the data an inference task takes from
+    the task that opened it, without reaching into its fields (the parser name is the config's).
+    """
+
+    __slots__ = ("__weakref__", "reasoning_parser", "recovered", "spec", "template")
+
+    def __init__(self, spec: DatasetSpec, reasoning_parser: str | None, template: ChatTemplate | None,
+                 recovered: dict[str, int]) -> None:
+        self.spec, self.reasoning_parser, self.template, self.recovered = spec, reasoning_parser, template, recovered
+
+    def __repr__(self) -> str:
+        return f"OpenedDataset({self.spec.name!r}, parser={self.reasoning_parser!r})"
+
+
+def open_dataset(spec: DatasetSpec, out: OutputDir, settings: InferenceSettings, *,
+                 check_intact: bool = True) -> OpenedDataset:
+    """Bind ``spec`` to ``out`` and run its guards, once, before a server is needed: the reasoning
+    parser and chat template load, lost manifest entries are rebuilt from the shard files proven to
+    be this input's slices, the dataset is bound to its input fingerprint and shard size, half-done
+    commits are undone, committed shards are checked intact (unless the caller checked the whole
+    output) and the rows' sampling, samples, regeneration mode and parser must match
+    (``check_resume``, recorded in the manifest). The caller holds the output's lock.
+
+    Raises:
+        ValueError: unknown reasoning parser.
+        TemplateError: the model's chat template does not load.
+        InputChanged, DamagedShards, UnrecordedShards, OSError: as for :func:`run_dataset`.
+    """
+    spec = DatasetSpec(spec.name, Path(spec.path), spec.template_kwargs)
+    model_dir = settings.model_dir
+    reasoning_parser = _reasoning_parser(settings)
+    template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
+    fingerprint = input_fingerprint(spec.path)
+    generation = {"samples": settings.samples, "regenerate": settings.regenerate}
+    rebuilt: list[int] = []
+    if out.unrecorded_shards(spec.name):
+        # The manifest was lost: adopt the shard files proven to be this input's slices, or refuse;
+        # never let recovery delete them as uncommitted.
+        rebuilt = out.rebuild_dataset(
+            spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
+            shard_size=settings.shard_size, slices=input_slices(spec.path, spec.name, settings.shard_size),
+            generation=generation)
+    out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
+                     shard_size=settings.shard_size)
+    recovered = out.recover(spec.name)
+    if rebuilt:
+        recovered["rebuilt_shards"] = len(rebuilt)
+    if check_intact:
+        out.check_intact(spec.name)
+    check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True, generation=generation)
+    return OpenedDataset(spec, reasoning_parser, template, recovered)
+
+
+def _reasoning_parser(settings: InferenceSettings) -> str | None:
+    """The run's reasoning parser (``AUTO``: the model's), checked to exist.
+
+    Raises:
+        ValueError: unknown parser (the message names the valid ones).
+    """
+    parser = settings.reasoning_parser
+    if parser == AUTO:
+        parser = parser_for_model(settings.model_dir) if settings.model_dir is not None else None
+    if parser is not None:
+        tags_for(parser)
+    return parser
+
+
 async def run_dataset_async(
     spec: DatasetSpec,
     out_dir: str | Path,
     endpoint: Endpoint | ServerPool,
     settings: InferenceSettings,
     *,
+    opened: OpenedDataset | None = None,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
     on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
     """The async form of :func:`run_dataset` (same arguments, same errors)."""
-    spec = DatasetSpec(spec.name, Path(spec.path), spec.template_kwargs)
+    if opened is None:
+        _reasoning_parser(settings)  # an unknown parser is refused before the output is created
     out = OutputDir(out_dir)
-    model_dir = settings.model_dir
-    reasoning_parser = settings.reasoning_parser
-    if reasoning_parser == AUTO:
-        reasoning_parser = parser_for_model(model_dir) if model_dir is not None else None
-    if reasoning_parser is not None:
-        tags_for(reasoning_parser)  # ValueError naming the valid parsers, before any request
-    template = ChatTemplate.from_model_dir(model_dir) if model_dir is not None else None
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     run_info = _lock_info(settings.run_info)
     with out.ensure_locked(run_info):
-        fingerprint = await loop.run_in_executor(None, input_fingerprint, spec.path)
-        generation = {"samples": settings.samples, "regenerate": settings.regenerate}
-        rebuilt: list[int] = []
-        if out.unrecorded_shards(spec.name):
-            # The manifest was lost: adopt the shard files proven to be this input's slices, or refuse;
-            # never let recovery delete them as uncommitted.
-            rebuilt = await loop.run_in_executor(None, functools.partial(
-                out.rebuild_dataset, spec.name, input_path=str(spec.path.resolve()),
-                input_fingerprint=fingerprint, shard_size=settings.shard_size,
-                slices=input_slices(spec.path, spec.name, settings.shard_size), generation=generation))
-        out.open_dataset(spec.name, input_path=str(spec.path.resolve()), input_fingerprint=fingerprint,
-                         shard_size=settings.shard_size)
-        recovered = out.recover(spec.name)
-        if rebuilt:
-            recovered["rebuilt_shards"] = len(rebuilt)
-        await loop.run_in_executor(None, out.check_intact, spec.name)
-        check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True, generation=generation)
-        cfg = settings.client
-        probe_cfg = dataclasses.replace(
-            cfg, api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
-        async with GenerateClient(endpoint.url, probe_cfg) as probe:
-            info = await probe.server_info()  # engine version, and the defaults below
-        conc = settings.concurrency or default_concurrency(info)
-        cfg = dataclasses.replace(cfg, concurrency=conc,
-                                  api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
-        # Several servers: the workers are every server's slots (those still launching included).
-        workers = endpoint.capacity(settings.concurrency) if isinstance(endpoint, ServerPool) else conc
-        result = DatasetResult(spec.name, str(out.path), settings.shard_size, workers, recovered=recovered)
-        result.shards_skipped = len(out.committed_indices(spec.name))
-        model_name = settings.model_name
-        if model_name is None:
-            model_name = str((info or {}).get("served_model_name") or (info or {}).get("model_path")
-                             or (Path(model_dir).name if model_dir else "unknown"))
-        provenance = await loop.run_in_executor(
-            None, _provenance, out, spec.name, settings.model_dir, template, info, run_info.get("flow_run"))
-        async with _client_for(endpoint, cfg, settings.concurrency) as client:
-            driver = InferencePool(
-                spec, out, client, shard_size=settings.shard_size, concurrency=workers,
-                sampling=settings.sampling, reasoning_parser=reasoning_parser, template=template,
-                model_name=model_name, server_fingerprint=endpoint.fingerprint,
-                on_shard_committed=on_shard_committed, progress=progress, result=result,
-                canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
-                truncation=settings.truncation,
-                provenance=provenance, order_window=settings.window_for(conc),
-                samples=settings.samples, regenerate=settings.regenerate,
-            )
-            driver.committed = out.committed_indices(spec.name)
-            driver.total_estimate = estimate_records(spec.path)
-            try:
-                await driver.run(iter_dataset(spec.path, spec.name))
-            except BaseExceptionGroup as group:
-                err = _first_error(group)
-                _finish(result, client, out, spec.name, started)
-                if isinstance(err, ServerGone):
-                    raise ServerGone(
-                        f"{err} ({result.rows_generated} rows generated by this run are safe in the "
-                        f"journal/shards of {out.path}; rerun to resume)",
-                        last_error=err.last_error, rows_done=result.rows_generated, result=result,
-                    ) from err
-                raise err from None
-            finally:
-                _finish(result, client, out, spec.name, started)
+        if opened is None:
+            opened = await loop.run_in_executor(None, open_dataset, spec, out, settings)
+        return await _generate(opened, out, endpoint, settings, run_info, started, on_shard_committed=on_shard_committed,
+                               progress=progress, on_canary=on_canary)
+
+
+async def _generate(
+    opened: OpenedDataset,
+    out: OutputDir,
+    endpoint: Endpoint | ServerPool,
+    settings: InferenceSettings,
+    run_info: Mapping[str, Any],
+    started: float,
+    *,
+    on_shard_committed: Callable[[ShardRecord], Any] | None,
+    progress: Callable[[ShardProgress], Any] | None,
+    on_canary: Callable[[list[dict[str, Any]]], Any] | None,
+) -> DatasetResult:
+    """Stream an opened dataset through the server(s) into committed shards (the lock is held)."""
+    spec, loop, model_dir = opened.spec, asyncio.get_running_loop(), settings.model_dir
+    cfg = settings.client
+    cfg = dataclasses.replace(cfg, api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
+    async with GenerateClient(endpoint.url, cfg) as probe:
+        info = await probe.server_info()  # engine version, and the defaults below
+    conc = settings.concurrency or default_concurrency(info)
+    cfg = dataclasses.replace(cfg, concurrency=conc)
+    # Several servers: the workers are every server's slots (those still launching included).
+    workers = endpoint.capacity(settings.concurrency) if isinstance(endpoint, ServerPool) else conc
+    result = DatasetResult(spec.name, str(out.path), settings.shard_size, workers, recovered=dict(opened.recovered))
+    result.shards_skipped = len(out.committed_indices(spec.name))
+    model_name = settings.model_name
+    if model_name is None:
+        model_name = str((info or {}).get("served_model_name") or (info or {}).get("model_path")
+                         or (Path(model_dir).name if model_dir else "unknown"))
+    provenance = await loop.run_in_executor(
+        None, _provenance, out, spec.name, model_dir, opened.template, info, run_info.get("flow_run"))
+    async with _client_for(endpoint, cfg, settings.concurrency) as client:
+        driver = InferencePool(
+            spec, out, client, shard_size=settings.shard_size, concurrency=workers,
+            sampling=settings.sampling, reasoning_parser=opened.reasoning_parser, template=opened.template,
+            model_name=model_name, server_fingerprint=endpoint.fingerprint,
+            on_shard_committed=on_shard_committed, progress=progress, result=result,
+            canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
+            truncation=settings.truncation,
+            provenance=provenance, order_window=settings.window_for(conc),
+            samples=settings.samples, regenerate=settings.regenerate,
+        )
+        driver.committed = out.committed_indices(spec.name)
+        driver.total_estimate = estimate_records(spec.path)
+        try:
+            await driver.run(iter_dataset(spec.path, spec.name))
+        except BaseExceptionGroup as group:
+            err = _first_error(group)
+            _finish(result, client, out, spec.name, started)
+            if isinstance(err, ServerGone):
+                raise ServerGone(
+                    f"{err} ({result.rows_generated} rows generated by this run are safe in the "
+                    f"journal/shards of {out.path}; rerun to resume)",
+                    last_error=err.last_error, rows_done=result.rows_generated, result=result,
+                ) from err
+            raise err from None
+        finally:
+            _finish(result, client, out, spec.name, started)
     return result
 
 
@@ -225,6 +292,7 @@ def run_dataset(
     endpoint: Endpoint | ServerPool,
     settings: InferenceSettings,
     *,
+    opened: OpenedDataset | None = None,
     on_shard_committed: Callable[[ShardRecord], Any] | None = None,
     progress: Callable[[ShardProgress], Any] | None = None,
     on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
@@ -240,6 +308,8 @@ def run_dataset(
             ``ServerPool`` of several, each request going to whichever has a free slot (a server
             that is gone is dropped and its unfinished requests go to the others).
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
+        opened: the dataset as :func:`open_dataset` bound and checked it under the caller's lock
+            (its guards then do not run again); None: opened here.
         on_shard_committed: called with each committed shard's record (e.g. the validation gate).
         progress: called with a ``ShardProgress`` after each commit.
         on_canary: called once with the first ``canary_size(settings.canary_rows, concurrency)`` rows
@@ -260,7 +330,7 @@ def run_dataset(
         OSError: the input is unreadable.
         Exception: whatever ``on_shard_committed`` or ``on_canary`` raises.
     """
-    coro = run_dataset_async(spec, out_dir, endpoint, settings, on_shard_committed=on_shard_committed,
+    coro = run_dataset_async(spec, out_dir, endpoint, settings, opened=opened, on_shard_committed=on_shard_committed,
                              progress=progress, on_canary=on_canary)
     if not _loop_running():
         # Outside the except clause of the loop probe: an error of the run must not carry the

@@ -117,13 +117,14 @@ def test_a_clean_run_names_its_runs_draws_a_clean_graph_and_summarises_itself(
     gpu = f"{HOST}-gpu0"
     session = "server-local[gpu 0]"  # the server's session: its hygiene, launch, health and stop inside
     assert [t["name"] for t in tasks] == [
-        "load-config", "prepare-output", "resume-check", session, f"hygiene-before-launch-{gpu}",
+        "load-config", "prepare-output", "open-datasets", session, f"hygiene-before-launch-{gpu}",
         f"launch-{gpu}-1", f"health-{gpu}", f"infer-ds@{HOST}", f"stop-server-{gpu}", "validate-output",
         "promote-latest"]
     # Only the data a task takes: the config for the output's choice, the output plan for promotion,
+    # the opened dataset for its inference,
     # the launched server's endpoint, and the server's lifecycle holding its tasks.
     assert _edges(tasks) == {("load-config", "prepare-output"), ("prepare-output", "promote-latest"),
-                             (f"launch-{gpu}-1", f"health-{gpu}"),
+                             ("open-datasets", f"infer-ds@{HOST}"), (f"launch-{gpu}-1", f"health-{gpu}"),
                              (session, f"hygiene-before-launch-{gpu}"), (session, f"launch-{gpu}-1"),
                              (session, f"health-{gpu}"), (session, f"stop-server-{gpu}")}
 
