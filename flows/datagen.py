@@ -71,10 +71,11 @@ def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
     # unlinked(progress): the counter is given to the task, not drawn as data it depends on
     with opened_output(ctx, progress), published(outcome):
         datasets = open_datasets(ctx)  # every guard, once: a changed input stops the run before a GPU is touched
-        with gate_reported(ctx), gpu_hosts(ctx), fleet:
-            fleet.wait_ready()
-            for dataset in datasets.values():
-                infer_dataset(ctx, dataset, fleet.pool, unlinked(progress))
+        if not all(d.complete for d in datasets.values()):  # a complete output touches no GPU
+            with gate_reported(ctx), gpu_hosts(ctx), fleet:
+                fleet.wait_ready()
+                for dataset in datasets.values():
+                    infer_dataset(ctx, dataset, fleet.pool, unlinked(progress))
         outcome.validation = validate(ctx)
         outcome.latest = promote(ctx.plan)
     return outcome.result()

@@ -176,7 +176,8 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
     """Every guard of every dataset, once, under the output's lock and before a GPU is touched:
     each dataset is bound to its input and shard size, half-done commits are undone and its rows'
     sampling, samples, regeneration mode and parser must match this run's (the whole output was
-    checked intact when the lock was taken). Not retried.
+    checked intact when the lock was taken). A complete dataset is said so here: when every one
+    is, the run launches nothing. Not retried.
 
     Raises:
         InputChanged: the input, shard size, sampling or parser changed (exit 2; the message names
@@ -184,8 +185,13 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
         UnrecordedShards, OSError: as ``tasks.inference.open_dataset`` raises them.
     """
     out, settings = OutputDir(ctx.plan.out_dir), ctx.inference()
-    return {name: open_dataset(DatasetSpec(name, path), out, settings, check_intact=False)
-            for name, path in ctx.cfg.datasets.items()}
+    opened = {name: open_dataset(DatasetSpec(name, path), out, settings, check_intact=False)
+              for name, path in ctx.cfg.datasets.items()}
+    for d in opened.values():
+        if d.complete:
+            get_run_logger().info("dataset %s: %d shards committed (0 now, %d resumed), 0 rows generated: "
+                                  "complete in %s, no server needed", d.spec.name, d.shards, d.shards, out.path)
+    return opened
 
 
 def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:

@@ -204,3 +204,28 @@ def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
     assert all(not pid_alive(s["pid"]) and not _group(s["pgid"]) for r in recs.values() for s in r["servers"])
     assert_exactly_once(out, ids)
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])
+
+
+def test_rerunning_a_complete_output_launches_nothing(prefect_server: PrefectServer, tmp_path: Path) -> None:
+    # The identical command after a finished run: the output is recognised as complete under its
+    # lock, before hygiene or a launch; exit 0, the same rows, and no server in the second run's record.
+    part, ids = partition(tmp_path, {"ds": 24}, [], shard=8, conc=4, max_relaunches=1)
+    env = _env(prefect_server, tmp_path)
+    out = tmp_path / "out"
+    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (first_id, first_record), = records(tmp_path).items()
+    assert first_record["servers"]
+    shards = sorted(p.name for p in (out / "ds").glob("shard-*.parquet"))
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = again.stdout + again.stderr
+    assert f"dataset ds: 3 shards committed (0 now, 3 resumed), 0 rows generated: complete in {out}, " \
+           "no server needed" in text
+    assert "hygiene-before-launch" not in text and "launch-" not in text and "server on" not in text
+    second = {k: r for k, r in records(tmp_path).items() if k != first_id}
+    (record,) = second.values()
+    assert not record.get("servers") and not record.get("lease")
+    assert sorted(p.name for p in (out / "ds").glob("shard-*.parquet")) == shards
+    assert_exactly_once(out, ids)
