@@ -13,21 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
 import orjson
 from aiohttp import web
 
 from emulator.engine import Engine, QueueFull, Req
 from emulator.profile import ModelInfo
 from emulator.textgen import (
-    GPT_OSS,
     TOKEN_RE,
     ReasoningFormat,
     generate,
     skip_special_tokens,
-    split_reasoning,
 )
-from tasks.reasoning import PARSERS
 
 __all__ = ["ServerState", "build_app"]
 
@@ -52,7 +48,6 @@ class ServerState:
     generate_count: int = 0
     held: int = 0  # /generate requests waiting on --emu-hold-while now
     rng_503: random.Random | None = None
-    template: Any = None
     startup_s: float = 0.0  # from the start of the main process until it served
     request_log: Any = None  # an open text file (--emu-request-log): tests count requests per rid
     rids: set[str] = field(default_factory=set)  # rids in flight: SGLang refuses a second one
@@ -276,57 +271,58 @@ async def _finished(reqs: list[Req]) -> None:
         await r.done
 
 
-def build_app(st: ServerState) -> web.Application:
-    """The aiohttp application serving SGLang's endpoints from ``st``."""
-    engine = st.engine
-    api_key = st.args.api_key
+class _Api:
+    """SGLang's endpoints over one ServerState: each handler a method, :func:`build_app` the routes."""
 
-    def ready_or_503() -> web.Response | None:
-        if st.phase != "ready":
+    def __init__(self, st: ServerState) -> None:
+        self.st, self.engine = st, st.engine
+
+    def ready_or_503(self) -> web.Response | None:
+        if self.st.phase != "ready":
             return web.Response(status=503)
         return None
 
-    async def ready(request: web.Request) -> web.Response:
-        return ready_or_503() or web.Response(status=200)
+    async def ready(self, request: web.Request) -> web.Response:
+        return self.ready_or_503() or web.Response(status=200)
 
-    async def health(request: web.Request) -> web.Response:
-        if st.hung and st.phase == "ready":
+    async def health(self, request: web.Request) -> web.Response:
+        if self.st.hung and self.st.phase == "ready":
             # SGLang waits this long for the 1-token generation before answering 503
-            await asyncio.sleep(float(st.args.emu_health_timeout))
+            await asyncio.sleep(float(self.st.args.emu_health_timeout))
             return web.Response(status=503)
-        return ready_or_503() or web.Response(status=200)
+        return self.ready_or_503() or web.Response(status=200)
 
-    def _admit_faults() -> web.Response | None:
+    def _admit_faults(self) -> web.Response | None:
         """Per-request faults: hang, crash, 503 rate. None when the request may proceed."""
-        st.generate_count += 1
-        a = st.args
-        if st.hung or engine.halted:
+        self.st.generate_count += 1
+        a = self.st.args
+        if self.st.hung or self.engine.halted:
             return None  # caller awaits forever
-        if a.emu_hang_after is not None and st.generate_count > a.emu_hang_after:
-            st.hung = True
-            engine.halted = True
+        if a.emu_hang_after is not None and self.st.generate_count > a.emu_hang_after:
+            self.st.hung = True
+            self.engine.halted = True
             return None
-        if a.emu_crash_after is not None and st.generate_count > a.emu_crash_after:
-            engine.halted = True
-            st.on_crash(f"RuntimeError: emulated scheduler failure (--emu-crash-after {a.emu_crash_after})")
+        if a.emu_crash_after is not None and self.st.generate_count > a.emu_crash_after:
+            self.engine.halted = True
+            self.st.on_crash(f"RuntimeError: emulated scheduler failure (--emu-crash-after {a.emu_crash_after})")
             return None
-        if st.rng_503 is not None and st.rng_503.random() < a.emu_503_rate:
+        if self.st.rng_503 is not None and self.st.rng_503.random() < a.emu_503_rate:
             return _queue_full()
         return web.Response(status=200)
 
-    async def _hold() -> None:
+    async def _hold(self) -> None:
         """Wait while the --emu-hold-while file exists, counted in the ``emu_held_requests`` metric."""
-        path = st.args.emu_hold_while
+        path = self.st.args.emu_hold_while
         if not path or not os.path.exists(path):
             return
-        st.held += 1
+        self.st.held += 1
         try:
             while os.path.exists(path):
                 await asyncio.sleep(0.05)
         finally:
-            st.held -= 1
+            self.st.held -= 1
 
-    async def generate_handler(request: web.Request) -> web.StreamResponse:
+    async def generate_handler(self, request: web.Request) -> web.StreamResponse:
         body = await _read_json(request)
         if not isinstance(body, dict):
             return _value_error("The request body must be a JSON object.")
@@ -338,8 +334,8 @@ def build_app(st: ServerState) -> web.Application:
         contract = _contract_error(body.get("sampling_params"))
         if contract is not None:
             return contract
-        await _hold()
-        fault = _admit_faults()
+        await self._hold()
+        fault = self._admit_faults()
         if fault is None:
             return await _never()
         if fault.status != 200:
@@ -384,36 +380,36 @@ def build_app(st: ServerState) -> web.Application:
                 rid = rids[i] if rids else None
                 if rid is not None and n > 1:
                     rid = f"{rid}_{k}"
-                made = _make_req(st, t, ii, sp, rid, k)
+                made = _make_req(self.st, t, ii, sp, rid, k)
                 if isinstance(made, web.Response):
                     return made
                 reqs.append(made)
         # SGLang's tokenizer manager: a rid already in flight (or twice in one request) is a ValueError
         given = [r.rid for r in reqs if r.rid is not None]
         for k, rid in enumerate(given):
-            if rid in st.rids or rid in given[:k]:
-                if st.request_log is not None:
-                    st.request_log.write(f"duplicate {rid}\n")
+            if rid in self.st.rids or rid in given[:k]:
+                if self.st.request_log is not None:
+                    self.st.request_log.write(f"duplicate {rid}\n")
                 return _value_error(f"Duplicate request ID detected: {rid}")
         try:
-            engine.submit(reqs)
+            self.engine.submit(reqs)
         except QueueFull:
             return _queue_full()
-        st.rids.update(given)
+        self.st.rids.update(given)
         try:
-            st.log_request("recv", reqs)
+            self.st.log_request("recv", reqs)
             many = batch or len(reqs) > 1
             if body.get("stream"):
-                return await _stream(request, reqs, many)
+                return await self._stream(request, reqs, many)
             await _finished(reqs)
-            st.log_request("done", reqs)
+            self.st.log_request("done", reqs)
             if many:
-                return _json([_result(st, r) for r in reqs])
-            return _json(_result(st, reqs[0]))
+                return _json([_result(self.st, r) for r in reqs])
+            return _json(_result(self.st, reqs[0]))
         finally:
-            st.rids.difference_update(given)
+            self.st.rids.difference_update(given)
 
-    async def _stream(request: web.Request, reqs: list[Req], many: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, reqs: list[Req], many: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         loop = asyncio.get_running_loop()
@@ -423,7 +419,7 @@ def build_app(st: ServerState) -> web.Application:
                 n = r.generated
                 while sent < n:
                     sent += 1
-                    chunk = _partial(st, r, sent)
+                    chunk = _partial(self.st, r, sent)
                     if many:
                         chunk["index"] = idx
                     await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
@@ -432,179 +428,92 @@ def build_app(st: ServerState) -> web.Application:
                 r.waiter = loop.create_future()
                 await r.waiter
             if r.total == 0:
-                await resp.write(b"data: " + orjson.dumps(_partial(st, r, 0)) + b"\n\n")
+                await resp.write(b"data: " + orjson.dumps(_partial(self.st, r, 0)) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    async def model_info(request: web.Request) -> web.Response:
+    async def model_info(self, request: web.Request) -> web.Response:
         return _json({
-            "model_path": st.args.model_path,
-            "served_model_name": st.served_model_name,
-            "tokenizer_path": st.args.tokenizer_path or st.args.model_path,
+            "model_path": self.st.args.model_path,
+            "served_model_name": self.st.served_model_name,
+            "tokenizer_path": self.st.args.tokenizer_path or self.st.args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
-            "load_format": st.args.load_format,
-            "reasoning_parser": st.args.reasoning_parser,
-            "tool_call_parser": st.args.tool_call_parser,
+            "load_format": self.st.args.load_format,
+            "reasoning_parser": self.st.args.reasoning_parser,
+            "tool_call_parser": self.st.args.tool_call_parser,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": st.model.model_type,
-            "architectures": [st.model.architecture],
+            "model_type": self.st.model.model_type,
+            "architectures": [self.st.model.architecture],
         })
 
-    async def server_info(request: web.Request) -> web.Response:
+    async def server_info(self, request: web.Request) -> web.Response:
         # api_key included, in plain text, as SGLang reports it: datagen must never store this raw.
-        info = {k: v for k, v in vars(st.args).items() if not k.startswith("emu_")}
+        info = {k: v for k, v in vars(self.st.args).items() if not k.startswith("emu_")}
         info.update({
             # The schedulers' handshake answer: "ready" whenever the HTTP side answers at all.
             "status": "ready",
-            "max_running_requests": st.args.emu_max_running_requests_given,
-            "launch_command": " ".join(st.args.emu_launch_argv),
+            "max_running_requests": self.st.args.emu_max_running_requests_given,
+            "launch_command": " ".join(self.st.args.emu_launch_argv),
             # SGLang's startup timings (s), per phase.
             "startup_time": {
-                "load_weight": float(st.args.emu_load_time), "kv_cache_allocation": 0.0,
-                "scheduler_e2e": float(st.args.emu_load_time + st.args.emu_graph_time),
-                "cuda_graph": _graphs(decode=float(st.args.emu_graph_time)), "tokenizer_e2e": st.startup_s,
+                "load_weight": float(self.st.args.emu_load_time), "kv_cache_allocation": 0.0,
+                "scheduler_e2e": float(self.st.args.emu_load_time + self.st.args.emu_graph_time),
+                "cuda_graph": _graphs(decode=float(self.st.args.emu_graph_time)), "tokenizer_e2e": self.st.startup_s,
             },
             "version": SGLANG_VERSION,
-            "max_total_num_tokens": st.memory["kv_tokens"],
+            "max_total_num_tokens": self.st.memory["kv_tokens"],
             "emulator": True,
             "internal_states": [{
-                "last_gen_throughput": round(engine.last_gen_throughput, 3),
+                "last_gen_throughput": round(self.engine.last_gen_throughput, 3),
                 "memory_usage": {
-                    "weight": round(st.memory["weights"], 2),
-                    "kvcache": round(st.memory["kv"], 2),
-                    "startup_available": round(st.memory["headroom"] + st.memory["graph"], 2),
-                    "token_capacity": st.memory["kv_tokens"],
+                    "weight": round(self.st.memory["weights"], 2),
+                    "kvcache": round(self.st.memory["kv"], 2),
+                    "startup_available": round(self.st.memory["headroom"] + self.st.memory["graph"], 2),
+                    "token_capacity": self.st.memory["kv_tokens"],
                     "token_capacity_swa": None,
-                    "graph": _graphs(decode=round(st.memory["graph"], 2)),
+                    "graph": _graphs(decode=round(self.st.memory["graph"], 2)),
                 },
-                "effective_max_running_requests_per_dp": st.args.max_running_requests,
-                "avail_gpu_mem_gb": round(st.memory["headroom"], 2),
+                "effective_max_running_requests_per_dp": self.st.args.max_running_requests,
+                "avail_gpu_mem_gb": round(self.st.memory["headroom"], 2),
             }],
         })
         return _json(info)
 
-    async def flush_cache(request: web.Request) -> web.Response:
+    async def flush_cache(self, request: web.Request) -> web.Response:
         text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                 "waiting requests, the operation will not be performed.)\n")
-        busy = bool(engine.running or engine.waiting)
+        busy = bool(self.engine.running or self.engine.waiting)
         if not busy:
-            engine.flush_cache()
+            self.engine.flush_cache()
         return web.Response(text=text, status=400 if busy else 200)
 
-    async def models(request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
-            "id": st.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sglang", "root": st.served_model_name, "parent": None, "max_model_len": st.context_length,
+            "id": self.st.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sglang", "root": self.st.served_model_name, "parent": None, "max_model_len": self.st.context_length,
         }]})
 
-    def _render(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
-        if st.template is None:
-            if not st.model.chat_template:
-                return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(msg: str) -> None:
-                raise jinja2.TemplateError(msg)
-
-            env.globals["raise_exception"] = raise_exception
-            st.template = env.from_string(st.model.chat_template)
-        return str(st.template.render(messages=messages, add_generation_prompt=True, **kwargs))
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
-        msgs = body.get("messages") if isinstance(body, dict) else None
-        if not isinstance(msgs, list) or not msgs:
-            return _error("messages must be a non-empty list.")
-        try:
-            prompt = _render(msgs, dict(body.get("chat_template_kwargs") or {}))
-        except Exception as exc:  # jinja errors are the client's fault: SGLang answers 400 too
-            return _error(f"Failed to apply the chat template: {exc}")
-        await _hold()
-        fault = _admit_faults()
-        if fault is None:
-            return await _never()
-        if fault.status != 200:
-            return fault
-        sp = {
-            "max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
-            "temperature": body.get("temperature", 1.0),
-            "top_p": body.get("top_p", 1.0),
-            "stop": body.get("stop"),
-            "sampling_seed": body.get("seed"),
-            "n": body.get("n", 1),
-            # SGLang's chat endpoint keeps gpt-oss's Harmony markers for its parser.
-            "skip_special_tokens": False if st.fmt is GPT_OSS else body.get("skip_special_tokens", True),
-        }
-        msg = _check_params({k: v for k, v in sp.items() if v is not None})
-        if msg:
-            return _error(msg)
-        reqs = []
-        for k in range(int(sp["n"] or 1)):
-            made = _make_req(st, prompt, None, {k2: v for k2, v in sp.items() if v is not None}, None, k)
-            if isinstance(made, web.Response):
-                return made
-            reqs.append(made)
-        try:
-            engine.submit(reqs)
-        except QueueFull:
-            return _queue_full()
-        await _finished(reqs)
-        parser = st.args.reasoning_parser
-        sep = body.get("separate_reasoning", True)
-        choices = []
-        for i, r in enumerate(reqs):
-            text = r.output.text
-            reasoning = None
-            if parser and sep and parser in PARSERS:
-                forced = bool(st.fmt.start) and prompt.rstrip().endswith(st.fmt.start)
-                reasoning, text = split_reasoning(text, parser, forced)
-            fr = r.output.finish_reason
-            choices.append({
-                "index": i,
-                "message": {"role": "assistant", "content": text, "reasoning_content": reasoning,
-                            "tool_calls": None},
-                "logprobs": None,
-                "finish_reason": fr["type"],
-                "matched_stop": fr.get("matched"),
-            })
-        ptoks = reqs[0].prompt_tokens
-        ctoks = sum(r.total for r in reqs)
-        return _json({
-            "id": uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-            "model": st.served_model_name, "choices": choices,
-            "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks + ctoks, "completion_tokens": ctoks,
-                      "prompt_tokens_details": None},
-        })
-
-    async def separate_reasoning(request: web.Request) -> web.Response:
-        body = await _read_json(request)
-        parser = body.get("reasoning_parser") if isinstance(body, dict) else None
-        if parser not in PARSERS:
-            return _error(f"Unsupported reasoning parser: {parser}")
-        reasoning, text = split_reasoning(str(body.get("text", "")), parser)
-        return _json({"reasoning_text": reasoning or "", "text": text})
-
-    async def metrics(request: web.Request) -> web.Response:
-        label = f'{{model_name="{st.served_model_name}"}}'
+    async def metrics(self, request: web.Request) -> web.Response:
+        label = f'{{model_name="{self.st.served_model_name}"}}'
         rows = [
-            ("num_running_reqs", "gauge", "The number of running requests.", len(engine.running)),
-            ("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", len(engine.waiting)),
-            ("token_usage", "gauge", "The token usage.", engine.token_usage()),
-            ("gen_throughput", "gauge", "The generation throughput (token/s).", engine.last_gen_throughput),
+            ("num_running_reqs", "gauge", "The number of running requests.", len(self.engine.running)),
+            ("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", len(self.engine.waiting)),
+            ("token_usage", "gauge", "The token usage.", self.engine.token_usage()),
+            ("gen_throughput", "gauge", "The generation throughput (token/s).", self.engine.last_gen_throughput),
             ("max_running_requests", "gauge", "Batch slots (--max-running-requests).",
-             st.args.max_running_requests),
-            ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens_total),
-            ("cached_tokens_total", "counter", "Number of cached prompt tokens.", engine.cached_tokens_total),
+             self.st.args.max_running_requests),
+            ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.engine.prompt_tokens_total),
+            ("cached_tokens_total", "counter", "Number of cached prompt tokens.", self.engine.cached_tokens_total),
             ("generation_tokens_total", "counter", "Number of generation tokens processed.",
-             engine.generation_tokens_total),
-            ("num_requests_total", "counter", "Number of requests processed.", engine.requests_total),
+             self.engine.generation_tokens_total),
+            ("num_requests_total", "counter", "Number of requests processed.", self.engine.requests_total),
             ("emu_busy_slot_seconds_total", "counter",
-             "Emulator only: integral over time of the number of running requests.", engine.busy_seconds()),
-            ("emu_held_requests", "gauge", "Emulator only: requests waiting on --emu-hold-while.", st.held),
+             "Emulator only: integral over time of the number of running requests.", self.engine.busy_seconds()),
+            ("emu_held_requests", "gauge", "Emulator only: requests waiting on --emu-hold-while.", self.st.held),
         ]
         lines = []
         for name, kind, help_text, value in rows:
@@ -614,6 +523,10 @@ def build_app(st: ServerState) -> web.Application:
             lines.append(f"sglang:{name}{label} {float(value)}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+
+def build_app(st: ServerState) -> web.Application:
+    """The aiohttp application serving SGLang's endpoints from ``st``."""
+    api, api_key = _Api(st), st.args.api_key
     middlewares = []
     if api_key:
         @web.middleware
@@ -629,17 +542,15 @@ def build_app(st: ServerState) -> web.Application:
         middlewares.append(auth)
 
     app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_post("/generate", generate_handler)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/health_generate", api.health)
+    app.router.add_get("/ready", api.ready)
+    app.router.add_post("/generate", api.generate_handler)
     for p in ("/model_info", "/get_model_info"):
-        app.router.add_get(p, model_info)
+        app.router.add_get(p, api.model_info)
     for p in ("/server_info", "/get_server_info"):
-        app.router.add_get(p, server_info)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/separate_reasoning", separate_reasoning)
-    app.router.add_get("/metrics", metrics)
+        app.router.add_get(p, api.server_info)
+    app.router.add_route("*", "/flush_cache", api.flush_cache)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/metrics", api.metrics)
     return app

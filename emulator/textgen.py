@@ -12,8 +12,6 @@ import random
 import re
 from dataclasses import dataclass
 
-from tasks.reasoning import split_reasoning as _split_reasoning
-
 __all__ = [
     "TOKEN_RE",
     "ReasoningFormat",
@@ -22,7 +20,6 @@ __all__ = [
     "format_for_model",
     "generate",
     "skip_special_tokens",
-    "split_reasoning",
     "FORCED_PARSERS",
     "PARSER_TAGS",
 ]
@@ -225,12 +222,3 @@ def skip_special_tokens(out: Output) -> Output:
     tokens (gpt-oss's Harmony markers, ``<|...|>``) generated but absent from the text."""
     kept = [tok for tok in (_SPECIAL.sub("", t) for t in out.tokens) if tok]
     return Output(kept, out.finish_reason, out.extra + len(out.tokens) - len(kept))
-
-
-def split_reasoning(text: str, parser: str, forced: bool = False) -> tuple[str | None, str]:
-    """SGLang's one-shot reasoning parse: (reasoning or None, content).
-
-    The emulator serves the same split that datagen applies itself (tasks.reasoning), which follows
-    SGLang's reasoning_parser.py, so /v1/chat/completions and /separate_reasoning answer as SGLang does.
-    """
-    return _split_reasoning(text, parser, force_reasoning=True if forced else None)
