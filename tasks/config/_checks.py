@@ -7,6 +7,7 @@ checked type and raises ``ConfigError`` ("<f>: <key>: <what is wrong>") otherwis
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -110,9 +111,10 @@ def opt_pos_int(value: Any, f: str, key: str) -> int | None:
 
 
 def nonneg_float(value: Any, f: str, key: str) -> float:
-    """A number >= 0, as float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"{f}: {key}: {value!r} is not a non-negative number")
+    """A finite number >= 0, as float (TOML's ``nan`` and ``inf`` refused: a grace period or a
+    timeout of either would never end or never start)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a finite non-negative number")
     return float(value)
 
 

@@ -78,7 +78,9 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[run]\nconcurrency = true\n", "run.concurrency", "not a positive integer"),
         (BASE + '[run]\norder = "lpm"\n', "run.order", "'lpm' is not one of prefix, input"),
         (BASE + "[run]\norder_window = 0\n", "run.order_window", "not a positive integer"),
-        (BASE + "[run]\nprice_per_gpu_hour = -2\n", "run.price_per_gpu_hour", "not a non-negative number"),
+        (BASE + "[run]\nprice_per_gpu_hour = -2\n", "run.price_per_gpu_hour", "not a finite non-negative number"),
+        (BASE + "[run]\nhygiene_grace_s = nan\n", "run.hygiene_grace_s", "nan is not a finite non-negative number"),
+        (BASE + "[run]\nhang_timeout_s = inf\n", "run.hang_timeout_s", "inf is not a finite non-negative number"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file
         (BASE + "[sim_gpus]\ncount = 2\n", "sim_gpus", "need server.backend"),
         (BASE + "[output]\nversioned = 1\n", "output.versioned", "true or false"),
