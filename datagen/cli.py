@@ -16,6 +16,7 @@ Exit codes (shared by every subcommand; `datagen COMMAND --help` says what its 1
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import os
 import signal
@@ -125,7 +126,10 @@ def _dispatch(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     commands = COMMANDS if name in COMMANDS else _commands()
     if name not in commands:
-        print(f"datagen: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, list(commands), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"datagen: unknown command {name!r}{hint}; `datagen --help` lists the commands: "
+              f"{', '.join(commands)}", file=sys.stderr)
         return 2
     module = importlib.import_module(commands[name][0])
     if name in ("up", "down", "worker"):
