@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,21 @@ def positive_int(value: Any, f: str, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{f}: {key}: {value!r} is not a positive integer")
     return value
+
+
+MAX_SAMPLES = 1024  # rows per prompt: more is a typo (1e9), not rejection sampling
+MAX_SHARD_SIZE = 1_000_000  # rows per shard: one shard's rows are held until it commits
+
+
+def int_from(lo: int, hi: int) -> Callable[[Any, str, str], int]:
+    """A check for an int from ``lo`` (1 or 0) to ``hi`` (bools refused)."""
+    def check(value: Any, f: str, key: str) -> int:
+        value = positive_int(value, f, key) if lo >= 1 else nonneg_int(value, f, key)
+        if value > hi:
+            raise ConfigError(f"{f}: {key}: {value!r} is over the limit of {hi:,}")
+        return value
+
+    return check
 
 
 def regenerate_mode(value: Any, f: str, key: str) -> str:

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config._checks import (
+    MAX_SAMPLES,
+    MAX_SHARD_SIZE,
     ConfigError,
     fraction,
     input_file,
+    int_from,
     no_unknown,
     nonneg_float,
     nonneg_int,
@@ -184,7 +187,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         model_path=model_path,
         server=server,
         reasoning_parser=parser,
-        shard_size=positive_int(run.get("shard_size", 100), f, "run.shard_size"),
+        shard_size=int_from(1, MAX_SHARD_SIZE)(run.get("shard_size", 100), f, "run.shard_size"),
         concurrency=positive_int(run.get("concurrency", 32), f, "run.concurrency"),
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
@@ -194,7 +197,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         host_wait_s=nonneg_float(run.get("host_wait_s", 300.0), f, "run.host_wait_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),
-        samples=positive_int(run.get("samples", 1), f, "run.samples"),
+        samples=int_from(1, MAX_SAMPLES)(run.get("samples", 1), f, "run.samples"),
         regenerate=regenerate_mode(run.get("regenerate", "last"), f, "run.regenerate"),
         sampling=sampling,
         truncation=truncation,

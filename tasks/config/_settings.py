@@ -24,7 +24,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from tasks.config._checks import ConfigError, fraction, nonneg_int, parser_name, positive_int, regenerate_mode
+from tasks.config._checks import (
+    MAX_SAMPLES,
+    MAX_SHARD_SIZE,
+    ConfigError,
+    fraction,
+    int_from,
+    nonneg_int,
+    parser_name,
+    positive_int,
+    regenerate_mode,
+)
 from tasks.inference import REGENERATE_MODES
 from tasks.reasoning import PARSERS
 
@@ -85,6 +95,7 @@ class RunSetting:
     ge: float | None = None
     gt: float | None = None
     lt: float | None = None
+    le: float | None = None
     choices: tuple[str, ...] = ()
     many: bool = False
     one_or_many: bool = False
@@ -106,9 +117,9 @@ class RunSetting:
         """One value's type, with its choices or bounds (pydantic reads them for the form)."""
         if self.choices:
             return Literal[self.choices]  # type: ignore[valid-type]
-        if self.ge is None and self.gt is None and self.lt is None:
+        if self.ge is None and self.gt is None and self.lt is None and self.le is None:
             return self.type
-        return Annotated[self.type, Field(ge=self.ge, gt=self.gt, lt=self.lt)]
+        return Annotated[self.type, Field(ge=self.ge, gt=self.gt, lt=self.lt, le=self.le)]
 
     def annotation(self) -> Any:
         """The flow parameter's type: None (keep the partition's value) or a value."""
@@ -136,7 +147,8 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("server_url", str, "Running servers to use (http://host:port; one or a list): no launch, no "
                "GPU hygiene; work goes to whichever is free.", "[run] server_url", one_or_many=True,
                metavar="URL", cli_help="repeatable"),
-    RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=positive_int, ge=1, metavar="N"),
+    RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=int_from(1, MAX_SHARD_SIZE),
+               ge=1, le=MAX_SHARD_SIZE, metavar="N"),
     RunSetting("concurrency", int, "Requests in flight to each server.", "[run] concurrency", check=positive_int, ge=1, metavar="N"),
     RunSetting("tp_size", int, "GPUs the launched server uses, tensor parallel.", "[server] tp_size",
                check=positive_int, ge=1, metavar="N"),
@@ -150,7 +162,7 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("truncation_retries", int, "Times a row that finished by length is generated again with a "
                "larger budget; 0: off.", "[run.truncation] retries", check=nonneg_int, ge=0, metavar="N"),
     RunSetting("samples", int, "Rows per prompt, each with its own sampling seed.", "[run] samples",
-               check=positive_int, ge=1, metavar="N"),
+               check=int_from(1, MAX_SAMPLES), ge=1, le=MAX_SAMPLES, metavar="N"),
     RunSetting("regenerate", str, "last: regenerate the last assistant turn; all: every assistant turn, each "
                "from the model's own earlier turns.", "[run] regenerate", check=regenerate_mode,
                choices=REGENERATE_MODES),
@@ -243,7 +255,8 @@ def reference_table(settings: Iterable[RunSetting] = (PARTITION, *RUN_SETTINGS))
     lines = ["| flow parameter | `datagen run` | type | overrides | what it does |", "|---|---|---|---|---|"]
     for s in settings:
         kind = " \\| ".join(s.choices) if s.choices else s.type.__name__
-        bounds = ", ".join(f"{op} {v:g}" for op, v in ((">=", s.ge), (">", s.gt), ("<", s.lt)) if v is not None)
+        bounds = ", ".join(f"{op} {int(v):,}" if float(v).is_integer() else f"{op} {v:g}"
+                           for op, v in ((">=", s.ge), (">", s.gt), ("<", s.lt), ("<=", s.le)) if v is not None)
         kind += f" ({bounds})" if bounds else ""
         kind += ", list" if s.many else ", one or a list" if s.one_or_many else ""
         lines.append(f"| `{s.name}` | `{s.option}` | {kind} | {s.key or '-'} | {s.help} |")

@@ -79,6 +79,8 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + '[run]\norder = "lpm"\n', "run.order", "'lpm' is not one of prefix, input"),
         (BASE + "[run]\norder_window = 0\n", "run.order_window", "not a positive integer"),
         (BASE + "[run]\nprice_per_gpu_hour = -2\n", "run.price_per_gpu_hour", "not a finite non-negative number"),
+        (BASE + "[run]\nsamples = 1000000000\n", "run.samples", "1000000000 is over the limit of 1,024"),
+        (BASE + "[run]\nshard_size = 10000000\n", "run.shard_size", "10000000 is over the limit of 1,000,000"),
         (BASE + "[run]\nhygiene_grace_s = nan\n", "run.hygiene_grace_s", "nan is not a finite non-negative number"),
         (BASE + "[run]\nhang_timeout_s = inf\n", "run.hang_timeout_s", "inf is not a finite non-negative number"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file

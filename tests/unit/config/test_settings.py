@@ -54,6 +54,8 @@ def test_cli_flow_and_form_have_exactly_the_declared_settings() -> None:
             assert prop["enum"] == list(s.choices)
         if s.ge is not None:
             assert prop["minimum"] == s.ge
+        if s.le is not None:
+            assert prop["maximum"] == s.le
         if s.gt is not None:
             assert prop["exclusiveMinimum"] == s.gt and prop["exclusiveMaximum"] == s.lt
 

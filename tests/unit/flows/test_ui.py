@@ -52,7 +52,7 @@ def test_the_form_schema_shows_each_optional_parameter_by_its_type_and_the_serve
         assert p["description"] == PARAMETER_HELP[name] and p["title"] == name, name
         assert {"type": "null"} not in p.get("anyOf", []), name  # no "Property is type None" branch
     assert props["partition"] == raw["properties"]["partition"]  # a real default stays
-    assert props["shard_size"] == {"type": "integer", "minimum": 1, "title": "shard_size", "position": 6,
+    assert props["shard_size"] == {"type": "integer", "minimum": 1, "maximum": 1_000_000, "title": "shard_size", "position": 6,
                                    "description": PARAMETER_HELP["shard_size"]}
     assert props["backend"]["enum"] == ["sglang", "emulator"] and "default" not in props["backend"]
     assert props["reasoning_parser"]["enum"] == sorted(PARSERS)
@@ -63,7 +63,7 @@ def test_the_form_schema_shows_each_optional_parameter_by_its_type_and_the_serve
     # What the API server checks when a run is created from the deployment (ignore_required, as it does).
     for ok in ({}, {"shard_size": 5, "backend": "emulator"}, {"shard_size": None}, {"server_url": ["http://h:1"]}):
         validate(ok, form, raise_on_error=True, ignore_required=True)
-    for bad, field in (({"shard_size": 0}, "shard_size"), ({"backend": "vllm"}, "backend"),
+    for bad, field in (({"shard_size": 0}, "shard_size"), ({"samples": 10**9}, "samples"), ({"backend": "vllm"}, "backend"),
                        ({"mem_fraction_static": 1.0}, "mem_fraction_static")):
         with pytest.raises(ValidationError, match=field):
             validate(bad, form, raise_on_error=True, ignore_required=True)
