@@ -15,6 +15,7 @@ from uuid import UUID
 from prefect.artifacts import create_markdown_artifact
 
 from flows.progress import Progress, artifact_key, fmt_duration
+from tasks.validation import md_text
 
 __all__ = ["RunSummary"]
 
@@ -93,7 +94,7 @@ class RunSummary:
             f"{self.gpu_hours:.3f} ({self.gpus} GPU(s))"
         lines = [f"# Run summary: {self.verdict}", "", f"**{self.headline()}**", ""]
         if self.reason:
-            lines += [f"Why: {self.reason}", ""]
+            lines += [f"Why: {md_text(self.reason)}", ""]
         lines += ["| | |", "|---|---|",
                   f"| output | `{self.out_dir}` |",
                   f"| latest | {f'`{self.latest}`' if self.latest else '-'} |",

@@ -26,7 +26,7 @@ failed, else warns when any warned or was unknown.
 
 from __future__ import annotations
 
-from tasks.validation._artifacts import publish_artifacts, report_markdown, report_table
+from tasks.validation._artifacts import md_text, publish_artifacts, report_markdown, report_table
 from tasks.validation._canary import CANARY_CHECKS, check_canary
 from tasks.validation._checks import validate_table
 from tasks.validation._checks_rows import FINISH_REASONS
@@ -61,6 +61,7 @@ __all__ = [
     "ValidationReport",
     "check_canary",
     "gate_shard",
+    "md_text",
     "publish_artifacts",
     "report_markdown",
     "report_table",

@@ -13,8 +13,14 @@ def _artifact_key(prefix: str, suffix: str) -> str:
     return re.sub(r"-{2,}", "-", key)
 
 
+def md_text(value: Any) -> str:
+    """``value`` as markdown text that shows as written: ``<think>`` is not an HTML tag for the UI
+    to swallow (it would show ``the **...** format``)."""
+    return str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _cell(value: Any) -> str:
-    return str(value).replace("|", "\\|")
+    return md_text(value).replace("|", "\\|")
 
 
 def report_table(report: ValidationReport) -> list[dict[str, Any]]:

@@ -85,6 +85,9 @@ def test_empty_reasoning_everywhere_stops_the_gate_with_one_message(tmp_path):
         f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME` (also failing: tag_leak)"
     )
     assert failing(err.value.report.checks) == ["reasoning_present", "tag_leak"]
+    # The artifact's markdown shows the tags as written (the UI would swallow a bare <think>).
+    md = report_markdown(validate_output(out))
+    assert "uses the &lt;think&gt;…&lt;/think&gt; format but parser is none" in md and "<think>" not in md
     doc = json.loads((out / "_validation.json").read_text())
     assert doc["verdict"] == "fail"
     shard = doc["datasets"]["glaive"]["shards"]["0"]
