@@ -229,3 +229,30 @@ def test_rerunning_a_complete_output_launches_nothing(prefect_server: PrefectSer
     assert not record.get("servers") and not record.get("lease")
     assert sorted(p.name for p in (out / "ds").glob("shard-*.parquet")) == shards
     assert_exactly_once(out, ids)
+
+
+def test_a_changed_input_of_the_second_dataset_is_refused_before_any_launch(
+        prefect_server: PrefectServer, tmp_path: Path) -> None:
+    # Every dataset is opened under the lock before the fleet starts: the second dataset's changed
+    # input stops the rerun with exit 2 before hygiene or a launch (it used to be found only after
+    # the first dataset had been served).
+    part, ids = partition(tmp_path, {"a": 8, "b": 8}, [], shard=4, conc=4, max_relaunches=1)
+    env = _env(prefect_server, tmp_path)
+    out = tmp_path / "out"
+    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (first_id, _), = records(tmp_path).items()
+    src = tmp_path / "b.jsonl"
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[0])
+    row["messages"][-1]["content"] += " (edited)"
+    src.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    text = again.stdout + again.stderr
+    assert again.returncode == 2, text[-3000:]
+    assert "InputChanged" in text and str(src) in text, text[-3000:]
+    assert "hygiene-before-launch" not in text and "server on" not in text
+    (record,) = [r for k, r in records(tmp_path).items() if k != first_id]
+    assert not record.get("servers") and not record.get("lease")
+    assert_exactly_once(out, ids)
