@@ -210,11 +210,7 @@ def test_rerunning_a_complete_output_launches_nothing(prefect_server: PrefectSer
     # The identical command after a finished run: the output is recognised as complete under its
     # lock, before hygiene or a launch; exit 0, the same rows, and no server in the second run's record.
     part, ids = partition(tmp_path, {"ds": 24}, [], shard=8, conc=4, max_relaunches=1)
-    env = _env(prefect_server, tmp_path)
-    out = tmp_path / "out"
-    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
-    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+    cmd, env, out = _finished_run(prefect_server, tmp_path, part)
     (first_id, first_record), = records(tmp_path).items()
     assert first_record["servers"]
     shards = sorted(p.name for p in (out / "ds").glob("shard-*.parquet"))
@@ -237,11 +233,7 @@ def test_a_changed_input_of_the_second_dataset_is_refused_before_any_launch(
     # input stops the rerun with exit 2 before hygiene or a launch (it used to be found only after
     # the first dataset had been served).
     part, ids = partition(tmp_path, {"a": 8, "b": 8}, [], shard=4, conc=4, max_relaunches=1)
-    env = _env(prefect_server, tmp_path)
-    out = tmp_path / "out"
-    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
-    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+    cmd, env, out = _finished_run(prefect_server, tmp_path, part)
     (first_id, _), = records(tmp_path).items()
     src = tmp_path / "b.jsonl"
     lines = src.read_text().splitlines()
@@ -256,3 +248,13 @@ def test_a_changed_input_of_the_second_dataset_is_refused_before_any_launch(
     (record,) = [r for k, r in records(tmp_path).items() if k != first_id]
     assert not record.get("servers") and not record.get("lease")
     assert_exactly_once(out, ids)
+
+
+def _finished_run(prefect_server: PrefectServer, tmp: Path, part: Path) -> tuple[list[str], dict[str, str], Path]:
+    """``datagen run`` of ``part`` to completion; its command and environment, for the rerun."""
+    env = _env(prefect_server, tmp)
+    out = tmp / "out"
+    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return cmd, env, out
