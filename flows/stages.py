@@ -42,6 +42,7 @@ from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.card import write_card
 from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
+from tasks.files import checked_dir
 from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE, sim_gpu_backend
 from tasks.hygiene import GpusNotClean, clean_gpus
 from tasks.inference import (
@@ -153,8 +154,7 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     root.mkdir(parents=True, exist_ok=True)
     out = choose_version(root) if cfg.versioned else root
     sim = _sim_gpus(cfg, root)
-    log_dir = root / "_logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = checked_dir(root, root / "_logs", create=True)
     target_gpus: dict[str, list[int]] = {}
     for slot in cfg.servers():
         target_gpus.setdefault(slot.target, []).extend(cfg.for_server(slot).server_gpus())

@@ -15,7 +15,7 @@ import datetime as dt
 import os
 from pathlib import Path
 
-from tasks.files import atomic_write_text, fsync_dir
+from tasks.files import UnsafeFile, atomic_write_text, checked_dir, fsync_dir
 
 __all__ = ["choose_version", "mark_failed", "promote_latest"]
 
@@ -32,12 +32,15 @@ def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
         now: the time that names a new version (default: now, UTC).
 
     Raises:
+        UnsafeFile: ``versions`` or an entry in it is a symlink, or not this user's directory.
         OSError: the directories cannot be created.
     """
-    versions = _versions(root)
-    versions.mkdir(parents=True, exist_ok=True)
+    versions = checked_dir(root, _versions(root), create=True)
     latest = root / "latest"
     current = latest.resolve() if latest.is_symlink() else None
+    for p in versions.iterdir():
+        if p.is_symlink():  # a version is a directory datagen made; a link would be written through
+            raise UnsafeFile(p, f"it is a symbolic link to {os.readlink(p)}", directory=True)
     for d in sorted((p for p in versions.iterdir() if p.is_dir()), reverse=True):
         if current is not None and d.resolve() == current:
             break  # everything older than the promoted version is history

@@ -7,7 +7,11 @@ behind, recognisable by ``TMP_MARK`` in its name.
 
 Every file written here is opened with ``O_NOFOLLOW`` and must be a regular file owned by the
 running user (``open_for_write``): a symlink or a foreign file planted in a shared output directory
-is refused with ``UnsafeFile`` instead of having its target written.
+is refused with ``UnsafeFile`` instead of having its target written. Every directory datagen
+creates, writes into or deletes from below an output is checked component by component from the
+output down (``checked_dir``): a planted directory symlink, a non-directory or another user's
+directory is refused the same way, so nothing outside the output is ever written or removed. (The
+output directory itself may be a symlink: the user chose it.)
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_writer",
     "check_replaceable",
+    "checked_dir",
     "fsync_dir",
     "open_for_write",
 ]
@@ -46,12 +51,19 @@ class UnsafeFile(DatagenError, OSError):
     ``path`` is the refused file; an ``OSError`` so callers that handle unwritable files handle it.
     """
 
-    def __init__(self, path: Path | str, why: str) -> None:
+    def __init__(self, path: Path | str, why: str, *, directory: bool = False) -> None:
         self.path = Path(path)
-        super().__init__(
-            f"refusing to write {path}: {why}; datagen writes only regular files owned by the user "
-            f"running it (uid {os.geteuid()}): remove or replace {path}, or choose another output"
-        )
+        if directory:
+            super().__init__(
+                f"refusing to use {path}: {why}; datagen writes only into real directories inside the "
+                f"output (no symbolic links) owned by the user running it (uid {os.geteuid()}): remove "
+                f"or replace {path}, or choose another output"
+            )
+        else:
+            super().__init__(
+                f"refusing to write {path}: {why}; datagen writes only regular files owned by the user "
+                f"running it (uid {os.geteuid()}): remove or replace {path}, or choose another output"
+            )
 
 
 def _refusal(path: Path | str, st: os.stat_result) -> str | None:
@@ -66,6 +78,64 @@ def _refusal(path: Path | str, st: os.stat_result) -> str | None:
     if st.st_uid != os.geteuid():
         return f"it is owned by uid {st.st_uid}"
     return None
+
+
+def _dir_refusal(path: Path, st: os.stat_result) -> str | None:
+    """Why a directory with status ``st`` must not be written into, or None when it may."""
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"it is a symbolic link to {os.readlink(path)}"
+        except OSError:
+            return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}"
+    return None
+
+
+def checked_dir(root: Path | str, directory: Path | str, *, create: bool = False) -> Path:
+    """Check every directory from below ``root`` down to ``directory``; with ``create``, make missing ones.
+
+    Each component is looked at with ``lstat``: a symbolic link (to anywhere), something that is not
+    a directory, or a directory of another user is refused. ``directory`` must lie lexically inside
+    ``root`` (no ``..``). ``root`` itself is trusted as given. Without ``create`` a missing component
+    ends the walk: nothing below it can exist to be followed.
+
+    Args:
+        root: the output directory.
+        directory: a directory at or below ``root``.
+        create: create missing components (mode 0o755 less the umask).
+
+    Returns:
+        ``directory``, as a ``Path``.
+
+    Raises:
+        UnsafeFile: a component is refused, or ``directory`` leaves ``root``; names the component.
+        OSError: a component cannot be created.
+    """
+    root, directory = Path(root), Path(directory)
+    try:
+        rel = directory.relative_to(root)
+    except ValueError:
+        raise UnsafeFile(directory, f"it is not inside the output {root}", directory=True) from None
+    if any(part in ("..", ".") for part in rel.parts):
+        raise UnsafeFile(directory, f"it leaves the output {root} through '..'", directory=True)
+    current = root
+    for part in rel.parts:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return directory
+            with contextlib.suppress(FileExistsError):  # a concurrent creator: checked below all the same
+                os.mkdir(current)
+            st = os.lstat(current)
+        why = _dir_refusal(current, st)
+        if why is not None:
+            raise UnsafeFile(current, why, directory=True)
+    return directory
 
 
 def open_for_write(path: Path | str, flags: int, mode: int = 0o644) -> int:

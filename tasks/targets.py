@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from tasks.errors import DatagenError
+from tasks.files import open_for_write
 
 __all__ = [
     "Target",
@@ -398,7 +399,8 @@ def start_detached(target: Target | str, argv: list[str], log_path: str,
     if not argv:
         raise ValueError("empty command")
     if target.is_local:
-        log: IO[bytes] = open(log_path, "ab")  # handed to the child, closed below
+        # handed to the child, closed below; O_NOFOLLOW: a log planted as a symlink is refused
+        log: IO[bytes] = os.fdopen(open_for_write(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, env={**os.environ, **(env or {})})

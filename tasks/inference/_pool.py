@@ -149,7 +149,7 @@ class InferencePool:
         shard = self.shards.get(index)
         if shard is None:
             path = self.out.journal_path(self.spec.name, index)
-            shard = _OpenShard(index, Journal(path), Journal.read(path))
+            shard = _OpenShard(index, self.out.journal(self.spec.name, index), Journal.read(path))
             self.shards[index] = shard
         return shard
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tasks.files import open_for_write
 from tasks.hygiene import clean_gpus
 from tasks.procs import group_pids, live_pids, terminate_group
 from tasks.server import _remote as server_remote
@@ -261,7 +262,8 @@ def _start_local(cfg: ServerConfig, fraction: float | None, log_dir: Path, shown
     if bind_refused(cfg.host, cfg.port):
         # Never start next to a live listener: its /health_generate 200 would look like ours.
         _refuse_taken_port(cfg, listeners_on("local", cfg.host, cfg.port), str(log_path), shown, fraction)
-    with open(log_path, "ab") as logf:
+    # O_NOFOLLOW: a log planted as a symlink is refused, never appended through
+    with os.fdopen(open_for_write(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as logf:
         logf.write(f"# datagen launch: {shlex.join(shown)}\n".encode())
         logf.flush()
         popen = subprocess.Popen(

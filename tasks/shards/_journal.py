@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from tasks.files import fsync_dir, open_for_write
+from tasks.files import checked_dir, fsync_dir, open_for_write
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "WHOLE_RECORD", "Journal", "JournalContents"]
 
@@ -59,8 +59,12 @@ class Journal:
     conversation whose row is not finished.
     """
 
-    def __init__(self, path: Path, fsync_interval_s: float = JOURNAL_FSYNC_INTERVAL_S) -> None:
+    def __init__(self, path: Path, fsync_interval_s: float = JOURNAL_FSYNC_INTERVAL_S, *,
+                 root: Path | None = None) -> None:
+        """``root``: the output directory; the journal's directories below it are checked (and created)
+        component by component on the first append, none may be a symlink."""
         self.path = path
+        self._root = root
         self._fsync_interval_s = fsync_interval_s
         self._fd: int | None = None
         self._last_sync = time.monotonic()
@@ -68,7 +72,10 @@ class Journal:
 
     def _open(self) -> int:
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._root is not None:
+                checked_dir(self._root, self.path.parent, create=True)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             existed = os.path.lexists(self.path)
             self._fd = open_for_write(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
             if existed:

@@ -26,10 +26,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from tasks.files import checked_dir
 from tasks.shards._commit import append_rejects, read_rejects, reject_units, rows_to_table, write_parquet
 from tasks.shards._errors import DamagedShards, ManifestError, ShardsError, UnrecordedShards
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 from tasks.shards._integrity import ShardDamage, find_damage, uncommit
+from tasks.shards._journal import Journal
 from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder
 from tasks.shards._manifest import (
     MANIFEST_FILE,
@@ -86,6 +88,24 @@ class OutputDir:
 
     def _journal_dir(self, dataset: str) -> Path:
         return self.path / "_journal" / dataset
+
+    def _dir(self, *parts: str, create: bool = False) -> Path:
+        """``OUT/<parts>``, each component checked (``tasks.files.checked_dir``); created with ``create``.
+
+        Raises:
+            UnsafeFile: a component is a symlink, not a directory, or another user's.
+        """
+        return checked_dir(self.path, self.path.joinpath(*parts), create=create)
+
+    def journal(self, dataset: str, index: int) -> Journal:
+        """The journal of shard ``index`` of ``dataset``; its directory is checked now and created (checked
+        again) on the first append.
+
+        Raises:
+            UnsafeFile: ``_journal`` or ``_journal/<dataset>`` is a symlink, not a directory, or another user's.
+        """
+        self._dir("_journal", dataset)
+        return Journal(self.journal_path(dataset, index), root=self.path)
 
     @staticmethod
     def check_dataset_name(dataset: str) -> None:
@@ -179,9 +199,10 @@ class OutputDir:
         Raises:
             InputChanged: the output was written with another shard size or input fingerprint.
             ValueError: a bad dataset name or shard size.
+            UnsafeFile: a directory of the dataset is a symlink or not the user's (``check_dirs``).
             ShardsError: this process does not hold the lock.
         """
-        self.check_dataset_name(dataset)
+        self.check_dirs(dataset)
         if shard_size < 1:
             raise ValueError(f"shard size must be >= 1, got {shard_size}")
         self._require_lock()
@@ -200,6 +221,7 @@ class OutputDir:
         Raises:
             ManifestError: the manifest is unreadable.
         """
+        self.check_dirs(dataset)
         manifest = self.read_manifest()
         if manifest is not None and dataset in manifest["datasets"]:
             return []
@@ -237,6 +259,7 @@ class OutputDir:
             ShardsError: this process does not hold the lock.
         """
         self._require_lock()
+        self.check_dirs(dataset)
         manifest = self.read_manifest()
         if manifest is not None and dataset in manifest["datasets"]:
             return []
@@ -319,8 +342,10 @@ class OutputDir:
             raise ManifestError(f"dataset {dataset!r} was not opened in {self.path}")
         table = rows if isinstance(rows, pa.Table) else rows_to_table(rows)
         reject_list = list(rejects)
+        self._dir("_journal", dataset)  # its journal is removed below: checked before anything is written
         if reject_list:
             self._append_rejects(dataset, index, reject_list)
+        self._dir(dataset, create=True)
         path = self.shard_path(dataset, index)
         digest = write_parquet(path, table)
         record = ShardRecord(dataset, index, str(path.relative_to(self.path)), table.num_rows,
@@ -350,6 +375,7 @@ class OutputDir:
                     f"replacing shard {index} of {dataset!r} would change its rows "
                     f"from {entry['rows']} to {table.num_rows}"
                 )
+            self._dir(dataset)
             path = self.shard_path(dataset, index)
             digest = write_parquet(path, table)
             entry["sha256"] = digest
@@ -359,6 +385,7 @@ class OutputDir:
                                digest, entry["committed_at"], path)
 
     def _append_rejects(self, dataset: str, index: int, rejects: list[dict[str, Any]]) -> None:
+        self._dir("_rejects", create=True)
         append_rejects(self.rejects_path(dataset), index, rejects)
 
     def read_rejects(self, dataset: str) -> list[dict[str, Any]]:
@@ -377,6 +404,7 @@ class OutputDir:
             ManifestError: the manifest is unreadable.
         """
         self._require_lock()
+        self.check_dirs(dataset)
         journal_dir = self._journal_dir(dataset)
         temp_files = remove_temp_files((self.path, self.path / dataset, self.path / "_rejects", journal_dir))
         committed = self.committed_indices(dataset)
@@ -386,6 +414,18 @@ class OutputDir:
             "stale_journals": remove_stale_journals(journal_dir, committed),
             "stale_rejects": prune_rejects(self.rejects_path(dataset), committed),
         }
+
+    def check_dirs(self, dataset: str) -> None:
+        """Check the directories a run of ``dataset`` writes and cleans: ``OUT/<dataset>``, ``OUT/_rejects``,
+        ``OUT/_journal`` and ``OUT/_journal/<dataset>`` (absent, or real directories of this user).
+
+        Raises:
+            ValueError: a bad dataset name.
+            UnsafeFile: one is a symlink, not a directory, or another user's (names it).
+        """
+        self.check_dataset_name(dataset)
+        for parts in ((dataset,), ("_rejects",), ("_journal", dataset)):
+            self._dir(*parts)
 
     # -- integrity ---------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.files import append_durable, atomic_write_json
+from tasks.files import append_durable, atomic_write_json, checked_dir
 from tasks.shards import Journal, OutputDir
 from tests.unit.shards.test_output import _row
 
@@ -117,3 +117,102 @@ def test_a_planted_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None
         assert not t.is_alive(), "the commit waits for a reader of the planted FIFO"
     assert len(errors) == 1 and isinstance(errors[0], OSError)
     assert str(errors[0]).startswith(f"refusing to write {out.rejects_path('ds')}: it is not a regular file")
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every entry below ``root``: a file's bytes, a directory or link by kind (a sentinel's checksum)."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = f"link:{os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+    return out
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Path:
+    """A directory outside the output holding what a careless run would write, delete or rewrite."""
+    d = tmp_path / "elsewhere"
+    d.mkdir()
+    (d / "ds.jsonl").write_bytes(SECRET)
+    (d / "notes.tmp-123").write_bytes(SECRET)
+    (d / "shard-00000.parquet").write_bytes(SECRET)
+    (d / "shard-00001.jsonl").write_bytes(SECRET)
+    (d / "ds").mkdir()
+    (d / "ds" / "shard-00000.jsonl").write_bytes(SECRET)
+    return d
+
+
+@pytest.mark.parametrize("planted", ["ds", "_rejects", "_journal", "_journal/ds"])
+def test_a_directory_symlink_in_the_output_is_refused_at_open_and_its_target_untouched(
+        tmp_path: Path, elsewhere: Path, planted: str) -> None:
+    out = OutputDir(tmp_path / "out")
+    out.path.mkdir()
+    link = out.path / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(elsewhere, target_is_directory=True)
+    before = _tree(elsewhere)
+    with out.lock(), pytest.raises(OSError) as info:
+        out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=2)
+    assert str(info.value) == (
+        f"refusing to use {link}: it is a symbolic link to {elsewhere}; datagen writes only into real "
+        f"directories inside the output (no symbolic links) owned by the user running it (uid {os.geteuid()}): "
+        f"remove or replace {link}, or choose another output")
+    assert _tree(elsewhere) == before
+    assert out.read_manifest() is None  # refused before the dataset was recorded
+
+
+@pytest.mark.parametrize("planted", ["ds", "_rejects", "_journal", "_journal/ds"])
+def test_a_directory_symlink_planted_after_open_is_refused_by_recover_commit_and_journal(
+        tmp_path: Path, elsewhere: Path, planted: str) -> None:
+    out = OutputDir(tmp_path / "out")
+    with out.lock():
+        out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=2)
+        link = out.path / planted
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(elsewhere, target_is_directory=True)
+        before = _tree(elsewhere)
+        with pytest.raises(OSError, match=f"refusing to use {link}: it is a symbolic link"):
+            out.recover("ds")
+        with pytest.raises(OSError, match=f"refusing to use {link}: it is a symbolic link"):
+            out.commit_shard("ds", 0, [_row(0)], [{"line": 2, "reason": "bad", "raw": "x"}])
+        if planted.startswith("_journal"):
+            with pytest.raises(OSError, match=f"refusing to use {link}: it is a symbolic link"):
+                out.journal("ds", 1)
+            journal = Journal(out.journal_path("ds", 1), root=out.path)
+            with pytest.raises(OSError, match=f"refusing to use {link}: it is a symbolic link"):
+                journal.append(_row(2))
+        assert _tree(elsewhere) == before
+        assert out.committed_indices("ds") == set()
+
+
+def test_a_directory_of_another_user_or_a_file_in_its_place_is_refused(tmp_path: Path) -> None:
+    out = OutputDir(tmp_path / "out")
+    out.path.mkdir()
+    (out.path / "_rejects").write_bytes(SECRET)
+    with out.lock(), pytest.raises(OSError, match=r"refusing to use .*_rejects: it is not a directory"):
+        out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=2)
+    (out.path / "_rejects").unlink()
+    if os.geteuid() == 0:
+        (out.path / "ds").mkdir()
+        os.chown(out.path / "ds", 54321, 54321)
+        with out.lock(), pytest.raises(OSError, match=r"refusing to use .*/ds: it is owned by uid 54321"):
+            out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=2)
+
+
+def test_an_output_that_is_itself_a_symlink_is_used(tmp_path: Path) -> None:
+    real = tmp_path / "big-disk"
+    real.mkdir()
+    (tmp_path / "out").symlink_to(real, target_is_directory=True)
+    out = OutputDir(tmp_path / "out")
+    with out.lock():
+        out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=1)
+        out.commit_shard("ds", 0, [_row(0)])
+    assert (real / "ds" / "shard-00000.parquet").is_file()
+
+
+def test_checked_dir_refuses_a_path_that_leaves_the_output(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match=r"it leaves the output .* through '\.\.'"):
+        checked_dir(tmp_path, tmp_path / "a" / ".." / ".." / "x", create=True)
+    with pytest.raises(OSError, match="it is not inside the output"):
+        checked_dir(tmp_path / "out", tmp_path / "other")
+    assert not (tmp_path / "a").exists()

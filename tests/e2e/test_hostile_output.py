@@ -1,0 +1,67 @@
+"""`datagen run` on an output where someone planted directory symlinks, with a real Prefect server and
+the emulator: each run is refused (exit 2) naming the planted link, before a server is launched, and
+nothing outside the output changes (a checksum of the links' targets before and after)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
+from tests.support.prefect import PrefectServer
+from tests.support.runs import partition, records
+
+pytestmark = pytest.mark.slow
+
+SENTINEL = b"bytes of a file that is not datagen's\n"
+
+
+def sentinel_tree(root: Path) -> None:
+    """Files a run that followed a link would write, delete or rewrite."""
+    (root / "ds").mkdir(parents=True)
+    for name in ("ds.jsonl", "notes.tmp-77-abcd", "shard-00000.parquet", "shard-00000.jsonl",
+                 "ds/shard-00001.jsonl", "server.log"):
+        (root / name).write_bytes(SENTINEL)
+
+
+def tree_digest(root: Path) -> str:
+    """One sha256 over every path, kind and content below ``root``."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        h.update(b"link:" + os.readlink(p).encode() if p.is_symlink() else b"dir" if p.is_dir() else p.read_bytes())
+    return h.hexdigest()
+
+
+PLANTED = ["ds", "_journal", "_journal/ds", "_rejects", "_logs"]
+
+
+def test_planted_directory_symlinks_are_refused_naming_the_link(prefect_server: PrefectServer,
+                                                                tmp_path: Path) -> None:
+    part, _ = partition(tmp_path, {"ds": 8}, [], shard=4, conc=4, max_relaunches=0)
+    env = _env(prefect_server, tmp_path)
+    runs: dict[str, subprocess.Popen[str]] = {}
+    digests: dict[int, str] = {}
+    for i, planted in enumerate(PLANTED):
+        target = tmp_path / f"elsewhere-{i}"
+        sentinel_tree(target)
+        digests[i] = tree_digest(target)
+        out = tmp_path / f"out-{i}"
+        (out / planted).parent.mkdir(parents=True, exist_ok=True)
+        (out / planted).symlink_to(target, target_is_directory=True)
+        runs[planted] = subprocess.Popen([DATAGEN, "run", "--partition", str(part), "--out", str(out)],
+                                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, stdin=subprocess.DEVNULL)
+    for i, (planted, proc) in enumerate(runs.items()):
+        _, err = proc.communicate(timeout=300)
+        link = tmp_path / f"out-{i}" / planted
+        assert proc.returncode == 2, (planted, err[-3000:])
+        assert (f"refusing to use {link}: it is a symbolic link to {tmp_path / f'elsewhere-{i}'}; datagen writes "
+                f"only into real directories inside the output") in err, (planted, err[-3000:])
+        assert tree_digest(tmp_path / f"elsewhere-{i}") == digests[i], planted
+        assert (tmp_path / f"elsewhere-{i}" / "server.log").read_bytes() == SENTINEL
+    assert not any(r.get("servers") for r in records(tmp_path).values())  # refused before any launch
