@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+import pytest
+
 from flows.versions import choose_version, mark_failed, promote_latest
 
 T1 = dt.datetime(2026, 1, 4, 2, 0, tzinfo=dt.UTC)
@@ -26,3 +28,20 @@ def test_new_resume_promote_and_failed(tmp_path: Path) -> None:
     promote_latest(tmp_path, v3)
     assert (tmp_path / "latest").resolve() == v3.resolve()
     assert not list(tmp_path.glob(".latest.*"))
+
+
+def test_a_planted_versions_link_or_version_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "20260101T000000Z").mkdir(parents=True)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "versions").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(OSError, match=f"refusing to use {root / 'versions'}: it is a symbolic link to {elsewhere}"):
+        choose_version(root)
+    (root / "versions").unlink()
+    (root / "versions").mkdir()
+    (root / "versions" / "20260102T000000Z").symlink_to(elsewhere / "20260101T000000Z")
+    with pytest.raises(OSError, match="20260102T000000Z: it is a symbolic link to"):
+        choose_version(root)
+    assert [p.name for p in elsewhere.iterdir()] == ["20260101T000000Z"]
+    assert not any((elsewhere / "20260101T000000Z").iterdir())
