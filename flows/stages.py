@@ -188,6 +188,12 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
     opened = {name: open_dataset(DatasetSpec(name, path), out, settings, check_intact=False)
               for name, path in ctx.cfg.datasets.items()}
     for d in opened.values():
+        for problem in d.problems[:10]:
+            get_run_logger().warning("dataset %s: skipped journal %s; that row is generated again",
+                                     d.spec.name, problem)
+        if len(d.problems) > 10:
+            get_run_logger().warning("dataset %s: %d more unusable journal lines skipped", d.spec.name,
+                                     len(d.problems) - 10)
         if d.complete:
             get_run_logger().info("dataset %s: %d shards committed (0 now, %d resumed), 0 rows generated: "
                                   "complete in %s, no server needed", d.spec.name, d.shards, d.shards, out.path)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from tasks.files import atomic_write_bytes
 from tasks.schema import ROW_SCHEMA
+from tasks.shards import OutputDir
 
 __all__ = ["CARD_NAME", "card_text", "hf_features", "write_card"]
 
@@ -262,7 +263,7 @@ def write_card(out_dir: str | os.PathLike[str], report: Mapping[str, Any] | None
         ValueError: the manifest is not JSON.
     """
     out = Path(out_dir)
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = OutputDir(out).read_manifest() or {"datasets": {}}
     path = out / CARD_NAME
     atomic_write_bytes(path, card_text(out, manifest, report, title=title).encode("utf-8"))
     return path

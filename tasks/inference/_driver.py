@@ -78,13 +78,16 @@ class OpenedDataset:
     the task that opened it, without reaching into its fields (the parser name is the config's).
     """
 
-    __slots__ = ("__weakref__", "complete", "reasoning_parser", "recovered", "shards", "spec", "template")
+    __slots__ = ("__weakref__", "complete", "problems", "reasoning_parser", "recovered", "shards", "spec",
+                 "template")
 
     def __init__(self, spec: DatasetSpec, reasoning_parser: str | None, template: ChatTemplate | None,
-                 recovered: dict[str, int], *, complete: bool = False, shards: int = 0) -> None:
+                 recovered: dict[str, int], *, complete: bool = False, shards: int = 0,
+                 problems: list[str] | None = None) -> None:
         self.spec, self.reasoning_parser, self.template, self.recovered = spec, reasoning_parser, template, recovered
         self.complete = complete  # every shard committed: nothing to generate, no server needed
         self.shards = shards  # committed shards
+        self.problems = problems or []  # journal lines skipped as unusable (OutputDir.journal_problems)
 
     def __repr__(self) -> str:
         return f"OpenedDataset({self.spec.name!r}, parser={self.reasoning_parser!r})"
@@ -128,7 +131,7 @@ def open_dataset(spec: DatasetSpec, out: OutputDir, settings: InferenceSettings,
     check_resume(out, spec.name, settings.sampling, reasoning_parser, record=True, generation=generation)
     entry = (out.read_manifest() or {"datasets": {}})["datasets"].get(spec.name) or {}
     return OpenedDataset(spec, reasoning_parser, template, recovered, complete=bool(entry.get("complete")),
-                         shards=len(entry.get("shards") or {}))
+                         shards=len(entry.get("shards") or {}), problems=out.journal_problems(spec.name))
 
 
 def _reasoning_parser(settings: InferenceSettings) -> str | None:

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
 
 from tasks.files import checked_dir, fsync_dir, open_for_write
+from tasks.shards._commit import rows_to_table
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "WHOLE_RECORD", "Journal", "JournalContents"]
 
@@ -36,6 +38,7 @@ class JournalContents:
     rejects: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     turns: dict[tuple[str, int], dict[int, dict[str, Any]]] = field(default_factory=dict)
     torn_lines: int = 0
+    bad_records: list[tuple[int, str]] = field(default_factory=list)  # (line, why): JSON that is no record
 
     @property
     def units(self) -> set[tuple[int, int]]:
@@ -43,6 +46,11 @@ class JournalContents:
         done = {(int(r["_pos"]), int(r.get("sample", 0))) for r in self.rows.values() if "_pos" in r}
         done.update(k for k in self.rejects if k[1] != WHOLE_RECORD)
         return done
+
+    @property
+    def bad_lines(self) -> list[str]:
+        """``line N: why`` of each skipped line that was JSON but not a record, in line order."""
+        return [f"line {n}: {why}" for n, why in sorted(self.bad_records)]
 
     @property
     def whole_rejects(self) -> set[int]:
@@ -126,13 +134,17 @@ class Journal:
 
     @staticmethod
     def read(path: Path) -> JournalContents:
-        """Read a journal: torn or unparseable lines are skipped and counted; later duplicates drop."""
+        """Read a journal: later duplicates drop; torn lines (not JSON) are skipped and counted, and a
+        JSON line that is not a journal record (a field of the wrong type, a row missing a column or
+        holding a value its column cannot store) is skipped and listed in ``bad_lines``: its unit is
+        generated again instead of failing every run."""
         out = JournalContents()
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return out
-        for line in data.split(b"\n"):
+        rows: list[tuple[int, dict[str, Any]]] = []
+        for number, line in enumerate(data.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -140,16 +152,57 @@ class Journal:
             except orjson.JSONDecodeError:
                 out.torn_lines += 1
                 continue
-            if not isinstance(rec, dict):
-                out.torn_lines += 1
-                continue
-            if rec.get("_reject"):
-                out.rejects.setdefault((int(rec["_pos"]), int(rec.get("sample", WHOLE_RECORD))), rec)
-            elif "id" in rec and "_turn" in rec:
-                key = (str(rec["id"]), int(rec.get("sample", 0)))
-                out.turns.setdefault(key, {}).setdefault(int(rec["_turn"]), rec)
-            elif "id" in rec:
-                out.rows.setdefault((str(rec["id"]), int(rec.get("sample", 0))), rec)
+            why = _record_problem(rec)
+            if why is not None:
+                out.bad_records.append((number, why))
+            elif rec.get("_reject"):
+                out.rejects.setdefault((rec["_pos"], rec.get("sample", WHOLE_RECORD)), rec)
+            elif "_turn" in rec:
+                out.turns.setdefault((rec["id"], rec.get("sample", 0)), {}).setdefault(rec["_turn"], rec)
             else:
-                out.torn_lines += 1
+                rows.append((number, rec))
+        for number, rec in _storable(rows, out.bad_records):  # a later good copy of a bad row counts
+            out.rows.setdefault((rec["id"], rec.get("sample", 0)), rec)
         return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _record_problem(rec: Any) -> str | None:
+    """Why a parsed journal line is not a record this package wrote, or None."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if "sample" in rec and not _whole(rec["sample"]) and not (rec.get("_reject") and rec["sample"] == WHOLE_RECORD):
+        return f"sample {rec['sample']!r} is not a whole number"
+    if rec.get("_reject"):
+        return None if _whole(rec.get("_pos")) else f"_pos {rec.get('_pos')!r} is not a whole number"
+    if not isinstance(rec.get("id"), str):
+        return "neither a row, a reject nor a turn (no text id)" if "id" not in rec else f"id {rec['id']!r} is not text"
+    if "_turn" in rec:
+        return None if _whole(rec["_turn"]) else f"_turn {rec['_turn']!r} is not a whole number"
+    if not _whole(rec.get("_pos")):
+        return f"_pos {rec.get('_pos')!r} is not a whole number"
+    return None
+
+
+def _storable(rows: list[tuple[int, dict[str, Any]]],
+              bad: list[tuple[int, str]]) -> list[tuple[int, dict[str, Any]]]:
+    """The rows that can be stored as ROW_SCHEMA; the others go to ``bad``. Checked all at once, one by
+    one only when that fails."""
+    try:
+        rows_to_table(rec for _, rec in rows)
+        return rows
+    except (KeyError, TypeError, ValueError, pa.ArrowException):
+        pass
+    good = []
+    for number, rec in rows:
+        try:
+            rows_to_table([rec])
+        except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
+            why = f"column {exc.args[0]!r} missing" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+            bad.append((number, f"row {rec['id']!r} cannot be stored: {why}"))
+        else:
+            good.append((number, rec))
+    return good

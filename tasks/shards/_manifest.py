@@ -9,7 +9,7 @@ write it (under the lock) and in which order relative to the shard files.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import orjson
 
 from tasks.files import atomic_write_bytes
 from tasks.shards._errors import InputChanged, ManifestError
-from tasks.shards._fs import utc_now_iso
+from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 
 __all__ = [
     "MANIFEST_FILE",
@@ -27,6 +27,7 @@ __all__ = [
     "ShardRecord",
     "add_shard",
     "bind_dataset",
+    "check_manifest",
     "check_shard_size",
     "committed_indices",
     "iter_shard_records",
@@ -67,27 +68,111 @@ CommittedShard = ShardRecord
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest at ``path``, or None when there is none yet.
+    """The manifest at ``path``, checked (``check_manifest``), or None when there is none yet.
 
     Raises:
-        ManifestError: the file is unreadable or not a manifest.
+        ManifestError: the file is unreadable or not a manifest (names the file and the key).
     """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read the manifest: {exc.strerror or exc}") from exc
     try:
         manifest = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(manifest, dict) or "shard_size" not in manifest:
-        raise ManifestError(f"{path} has no shard_size")
-    datasets = manifest.setdefault("datasets", {})
-    if not (isinstance(datasets, dict) and all(
-            isinstance(ds, dict) and isinstance(ds.get("shards", {}), dict)
-            and all(isinstance(rec, dict) for rec in ds.get("shards", {}).values()) for ds in datasets.values())):
-        raise ManifestError(f"{path}: datasets: not a manifest's table of datasets and their shards")
+        raise ManifestError(f"{path} is not valid JSON: {exc}; {_DAMAGED}") from exc
+    check_manifest(path, manifest)
     return manifest
+
+
+_DAMAGED = ("the manifest is damaged: restore it from a copy, or move it aside and rerun with the same "
+            "input and --shard-size (each shard file that proves to be its input slice is recorded again)")
+_SHA256 = frozenset("0123456789abcdef")
+
+
+def _count(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_manifest(path: Path, manifest: Any) -> None:
+    """Check that ``manifest`` (parsed from ``path``) is one this package can trust.
+
+    Dataset names obey the same rule as a partition's (``check_dataset_name``), a shard's key is its
+    index and its ``file`` is exactly ``<dataset>/shard-NNNNN.parquet`` (never a path outside the
+    output), and every field read later has its type: so no command reads, deletes or counts through
+    a damaged or hostile manifest.
+
+    Raises:
+        ManifestError: ``<path>: <key>: <problem>; <what to do>``, for the first problem found.
+    """
+    def bad(key: str, problem: str) -> ManifestError:
+        return ManifestError(f"{path}: {key}: {problem}; {_DAMAGED}")
+
+    if not isinstance(manifest, dict):
+        raise bad("(top level)", "not a JSON object")
+    if "shard_size" not in manifest:
+        raise bad("shard_size", "missing")
+    if not _count(manifest["shard_size"], 1):
+        raise bad("shard_size", f"{manifest['shard_size']!r} is not a whole number >= 1")
+    datasets = manifest.setdefault("datasets", {})
+    if not isinstance(datasets, dict):
+        raise bad("datasets", "not a table of datasets")
+    for name, entry in datasets.items():
+        try:
+            check_dataset_name(name)
+        except ValueError as exc:
+            raise bad(f"datasets.{name!r}", str(exc)) from None
+        _check_dataset(name, entry, bad)
+
+
+def _check_dataset(name: str, entry: Any, bad: Callable[[str, str], ManifestError]) -> None:
+    key = f"datasets.{name}"
+    if not isinstance(entry, dict):
+        raise bad(key, "not a table")
+    for field_, kind in (("input", str), ("input_fingerprint", str)):
+        if field_ in entry and not isinstance(entry[field_], kind):
+            raise bad(f"{key}.{field_}", f"{entry[field_]!r} is not text")
+    for field_ in ("total_rows", "num_shards"):
+        if entry.get(field_) is not None and not _count(entry[field_]):
+            raise bad(f"{key}.{field_}", f"{entry[field_]!r} is not a whole number >= 0")
+    if "complete" in entry and not isinstance(entry["complete"], bool):
+        raise bad(f"{key}.complete", f"{entry['complete']!r} is not true or false")
+    for field_ in ("sampling", "generation", "attempts"):
+        if field_ in entry and not isinstance(entry[field_], dict):
+            raise bad(f"{key}.{field_}", "not a table")
+    gen = entry.get("generation") or {}
+    if "samples" in gen and not _count(gen["samples"], 1):
+        raise bad(f"{key}.generation.samples", f"{gen['samples']!r} is not a whole number >= 1")
+    shards = entry.setdefault("shards", {})
+    if not isinstance(shards, dict):
+        raise bad(f"{key}.shards", "not a table of shards")
+    for index_key, rec in shards.items():
+        _check_shard(name, index_key, rec, f"{key}.shards.{index_key}", bad)
+
+
+def _check_shard(name: str, index_key: Any, rec: Any, key: str, bad: Callable[[str, str], ManifestError]) -> None:
+    if not (isinstance(index_key, str) and index_key.isascii() and index_key.isdigit()
+            and str(int(index_key)) == index_key):
+        raise bad(key, f"{index_key!r} is not a shard index")
+    if not isinstance(rec, dict):
+        raise bad(key, "not a table")
+    for field_ in ("file", "rows", "sha256", "committed_at"):
+        if field_ not in rec:
+            raise bad(f"{key}.{field_}", "missing")
+    expected = f"{name}/{shard_file_name(int(index_key))}.parquet"
+    if rec["file"] != expected:
+        raise bad(f"{key}.file", f"{rec['file']!r} is not this shard's file {expected!r}")
+    for field_ in ("rows", "rejects"):
+        if field_ in rec and not _count(rec[field_]):
+            raise bad(f"{key}.{field_}", f"{rec[field_]!r} is not a whole number >= 0")
+    digest = rec["sha256"]
+    if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256):
+        raise bad(f"{key}.sha256", f"{digest!r} is not a sha256 (64 lowercase hex digits)")
+    for field_ in ("committed_at", "replaced_at"):
+        if field_ in rec and not isinstance(rec[field_], str):
+            raise bad(f"{key}.{field_}", f"{rec[field_]!r} is not a timestamp")
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:

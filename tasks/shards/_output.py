@@ -470,6 +470,15 @@ class OutputDir:
                     self.recover(dataset)
             return damage
 
+    def journal_problems(self, dataset: str) -> list[str]:
+        """``<journal> line N: why`` for each line of ``dataset``'s open journals that is JSON but not a
+        record (``Journal.read`` skips them: their rows are generated again)."""
+        problems = []
+        for index in self.open_journals(dataset):
+            path = self.journal_path(dataset, index)
+            problems += [f"{path} {line}" for line in Journal.read(path).bad_lines]
+        return problems
+
     def open_journals(self, dataset: str) -> list[int]:
         """Indices of shards of ``dataset`` that have a journal (open, uncommitted)."""
         return journal_indices(self._journal_dir(dataset))

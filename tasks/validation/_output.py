@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 
 from tasks.files import atomic_write_json
 from tasks.schema import conform
+from tasks.shards import ManifestError, OutputDir
 from tasks.validation._checks import judge_all, measure_all
 from tasks.validation._checks_structure import judge_provenance, judge_unique
 from tasks.validation._errors import BadOutput
@@ -44,12 +44,12 @@ def load_manifest(out_dir: Path) -> dict[str, Any]:
     path = out_dir / MANIFEST_NAME
     if not path.is_file():
         raise BadOutput(f"{out_dir}: not a datagen output (no {MANIFEST_NAME})")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BadOutput(f"{path}: unreadable manifest: {exc}") from exc
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("datasets"), dict):
-        raise BadOutput(f"{path}: not a datagen manifest (no 'datasets' table)")
+    try:  # the same checks as every command's: dataset names and shard files that stay inside OUT
+        manifest = OutputDir(out_dir).read_manifest()
+    except ManifestError as exc:
+        raise BadOutput(str(exc)) from exc
+    if manifest is None:
+        raise BadOutput(f"{out_dir}: not a datagen output (no {MANIFEST_NAME})")
     return manifest
 
 
@@ -61,13 +61,8 @@ def _dataset_entry(manifest: Mapping[str, Any], dataset: str, out_dir: Path) -> 
     return entry
 
 
-def _shard_file(out_dir: Path, dataset: str, index: int, info: Mapping[str, Any]) -> Path:
-    name = info.get("file") or f"shard-{index:05d}.parquet"
-    path = Path(name)
-    if path.is_absolute():
-        return path
-    direct = out_dir / path
-    return direct if direct.exists() or len(path.parts) > 1 else out_dir / dataset / path
+def _shard_file(out_dir: Path, info: Mapping[str, Any]) -> Path:
+    return out_dir / info["file"]  # checked by load_manifest: exactly <dataset>/shard-NNNNN.parquet
 
 
 def _samples_of(entry: Mapping[str, Any]) -> int:
@@ -150,7 +145,7 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     info = (entry.get("shards") or {}).get(str(index))
     if not isinstance(info, dict):
         raise BadOutput(f"{out_dir}: shard {index} of {dataset!r} is not committed in the manifest")
-    path = _shard_file(out_dir, dataset, index, info)
+    path = _shard_file(out_dir, info)
     ctx = Context(dataset=dataset, shard_index=index, out_dir=str(out_dir))
     try:
         table = conform(pq.read_table(path))  # a shard of an older datagen: one sample, last turn

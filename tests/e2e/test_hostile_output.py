@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
 from tests.support.prefect import PrefectServer
-from tests.support.runs import partition, records
+from tests.support.runs import assert_exactly_once, partition, records
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +65,23 @@ def test_planted_directory_symlinks_are_refused_naming_the_link(prefect_server: 
         assert tree_digest(tmp_path / f"elsewhere-{i}") == digests[i], planted
         assert (tmp_path / f"elsewhere-{i}" / "server.log").read_bytes() == SENTINEL
     assert not any(r.get("servers") for r in records(tmp_path).values())  # refused before any launch
+
+
+def test_unusable_journal_lines_are_skipped_named_and_their_rows_generated(prefect_server: PrefectServer,
+                                                                           tmp_path: Path) -> None:
+    part, ids = partition(tmp_path, {"ds": 8}, [], shard=4, conc=4, max_relaunches=0)
+    env = _env(prefect_server, tmp_path)
+    out = tmp_path / "out"
+    journal = out / "_journal" / "ds" / "shard-00000.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_bytes(b'{"_reject": true, "_pos": "abc"}\n{"id": "ds-0001", "_pos": 1, "prompt_tokens": "x"}\n'
+                        b'{"torn": \n')
+    run = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(out)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    logs = run.stdout + run.stderr
+    assert run.returncode == 0, logs[-3000:]
+    assert f"dataset ds: skipped journal {journal} line 1: _pos 'abc' is not a whole number; that row is " \
+           f"generated again" in logs
+    assert f"dataset ds: skipped journal {journal} line 2: row 'ds-0001' cannot be stored: column " in logs
+    assert "2 shards committed (2 now, 0 resumed), 8 rows generated" in logs
+    assert_exactly_once(out, ids)

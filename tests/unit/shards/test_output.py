@@ -161,3 +161,24 @@ def test_lock_second_locker_refused_naming_holder(tmp_path):
         with pytest.raises(OutputLocked, match="flow_run=mine"):
             out.lock().acquire()  # a second lock object in this process is refused too
     assert out.lock_holder() is None
+
+
+def test_journal_lines_that_are_json_but_no_record_are_skipped_and_named(tmp_path: Path) -> None:
+    bad_type = {**_row(1), "prompt_tokens": "x"}
+    no_column = {k: v for k, v in _row(2).items() if k != "prompt"}
+    lines = [orjson.dumps(_row(0)), b'{"_reject": true, "_pos": "abc"}', orjson.dumps(bad_type), b'{"torn',
+             orjson.dumps(no_column), b"[1]", b'{"id": 5}', orjson.dumps(_row(1)), b'{"_turn": "x", "id": "r9"}']
+    path = tmp_path / "shard-00000.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    contents = Journal.read(path)
+    assert sorted(contents.rows) == [("r0", 0), ("r1", 0)]  # the later good copy of r1 counts
+    assert contents.rows[("r1", 0)]["prompt_tokens"] == 3
+    assert contents.torn_lines == 1 and contents.rejects == {} and contents.turns == {}
+    assert contents.bad_lines == [
+        "line 2: _pos 'abc' is not a whole number",
+        "line 3: row 'r1' cannot be stored: Could not convert 'x' with type str: tried to convert to int32",
+        "line 5: row 'r2' cannot be stored: column 'prompt' missing",
+        "line 6: not a JSON object",
+        "line 7: id 5 is not text",
+        "line 9: _turn 'x' is not a whole number",
+    ]
