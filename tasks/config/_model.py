@@ -350,8 +350,10 @@ def check_urls(urls: tuple[str, ...] | list[str], where: str, key: str) -> tuple
     """Running servers' URLs: each http(s), none twice; returned without trailing slashes.
 
     Raises:
-        ConfigError: an empty list, a URL that is not http(s), or one given twice.
+        ConfigError: not a list, an empty list, a URL that is not http(s), or one given twice.
     """
+    if not isinstance(urls, (list, tuple)):
+        raise ConfigError(f"{where}: {key}: {urls!r} is neither an http(s) URL nor a list of them")
     if not urls:
         raise ConfigError(f"{where}: {key}: at least one http(s) URL")
     out: list[str] = []

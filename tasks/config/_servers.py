@@ -75,6 +75,10 @@ class ServerSlot:
         return f"{host}[gpu {','.join(str(g) for g in shown)}]" if shown else host
 
 
+MAX_TARGETS = 256  # hosts of one partition; a fleet larger than this is several partitions
+MAX_TARGET_CHARS = 512  # ssh://user@host:port with a DNS name fits many times over
+
+
 def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
     """The ``[server] targets`` value (a string, or a list of strings and tables), checked.
 
@@ -85,9 +89,16 @@ def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
         raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{f}: server.targets: a non-empty list of target strings or tables")
+    if len(raw) > MAX_TARGETS:
+        raise ConfigError(f"{f}: server.targets: {len(raw)} targets; at most {MAX_TARGETS} (split the run "
+                          "into partitions)")
     out: list[TargetServers] = []
     for i, item in enumerate(raw):
         key = f"server.targets[{i}]"
+        target_text = item if isinstance(item, str) else item.get("target") if isinstance(item, dict) else None
+        if isinstance(target_text, str) and len(target_text) > MAX_TARGET_CHARS:
+            raise ConfigError(f"{f}: {key}: a target of {len(target_text)} characters; at most "
+                              f"{MAX_TARGET_CHARS} (local, ssh://user@host:port or pct://host/CTID)")
         if isinstance(item, str):
             check_target(item, f)
             out.append(TargetServers(item))
