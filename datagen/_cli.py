@@ -16,9 +16,11 @@ import sys
 from collections.abc import Callable
 from typing import ParamSpec
 
+from datagen._interrupt import interrupted
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
+from tasks.files import WriteFailed
 from tasks.hygiene import ProbeFailed
 from tasks.prompts import TemplateError
 from tasks.shards import ShardsError
@@ -44,12 +46,24 @@ _USAGE_ERRORS: tuple[type[BaseException], ...] = (
 # What `reports_errors` turns into a message and an exit code; anything else is a bug and keeps its
 # traceback.
 _REPORTED: tuple[type[BaseException], ...] = (DatagenError, ValueError, OSError)
+# The operation ran and failed although it is an OSError: the disk filled up while it wrote.
+_FAILED_ERRORS: tuple[type[BaseException], ...] = (WriteFailed,)
+
+def _chained(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
 
 P = ParamSpec("P")
 
 
 def exit_code_for(exc: BaseException) -> int:
     """The exit code for a command that stopped on ``exc`` (``EXIT_USAGE`` or ``EXIT_FAILED``)."""
+    if isinstance(exc, _FAILED_ERRORS):
+        return EXIT_FAILED
     return EXIT_USAGE if isinstance(exc, _USAGE_ERRORS) else EXIT_FAILED
 
 
@@ -67,6 +81,10 @@ def reports_errors(prog: str) -> Callable[[Callable[P, int]], Callable[P, int]]:
             try:
                 return fn(*args, **kwargs)
             except _REPORTED as exc:
+                if isinstance(exc, BrokenPipeError):
+                    raise  # the reader left (`| head`): datagen.cli ends the command quietly
+                if interrupted() or any(isinstance(e, KeyboardInterrupt) for e in _chained(exc)):
+                    raise KeyboardInterrupt from exc  # Ctrl-C, wrapped by a library: 130, not 2
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return exit_code_for(exc)
 

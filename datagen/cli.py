@@ -24,6 +24,7 @@ import sys
 import threading
 
 from datagen import __version__
+from datagen._interrupt import interrupted, note_sigint
 
 STAND_INS = ("emulator", "gpu-sim")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
@@ -77,11 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv else ""
     # The stand-ins for SGLang and a GPU job die of SIGTERM as the processes they imitate do.
-    previous = None
+    previous = previous_int = None
     if name not in STAND_INS and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous_int = signal.signal(signal.SIGINT, note_sigint)
     try:
         code = _dispatch(argv)
+        if code not in (0, EXIT_INTERRUPTED) and interrupted():
+            # Ctrl-C turned into another error by a library on its way out: still an interrupt
+            return _interrupted(name, "interrupted", EXIT_INTERRUPTED)
         sys.stdout.flush()
         return code
     except KeyboardInterrupt:
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 class _Terminated(BaseException):

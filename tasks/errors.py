@@ -24,6 +24,7 @@ Each family lives with the code that raises it and keeps the built-in base its c
     │   └── ManifestError                     no
     ├── ExportError                           no      tasks.export
     ├── UnsafeFile (OSError)                  no      tasks.files (a symlink or foreign file to write)
+    ├── WriteFailed (OSError)                 no      tasks.files (the disk or quota is full: exit 1)
     ├── ThresholdError (ValueError)           no      tasks.validation
     ├── BadOutput                             no      tasks.validation
     ├── ValidationFailed                      no      tasks.validation

@@ -17,6 +17,7 @@ output directory itself may be a symlink: the user chose it.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -31,6 +32,7 @@ __all__ = [
     "read_json_object",
     "TMP_MARK",
     "UnsafeFile",
+    "WriteFailed",
     "append_durable",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -39,6 +41,7 @@ __all__ = [
     "check_replaceable",
     "checked_dir",
     "fsync_dir",
+    "naming",
     "open_for_write",
 ]
 
@@ -64,6 +67,41 @@ class UnsafeFile(DatagenError, OSError):
                 f"refusing to write {path}: {why}; datagen writes only regular files owned by the user "
                 f"running it (uid {os.geteuid()}): remove or replace {path}, or choose another output"
             )
+
+
+class WriteFailed(DatagenError, OSError):
+    """A write ran out of room (``ENOSPC``, ``EDQUOT``): the operation failed (exit 1), nothing it had
+    made durable is lost. ``path`` is the file; ``errno`` the cause."""
+
+    def __init__(self, path: Path | str, exc: OSError) -> None:
+        self.path = Path(path)
+        super().__init__(exc.errno, exc.strerror)
+        self.args = (f"cannot write {path}: {exc.strerror or exc} (errno {exc.errno}); what was committed is "
+                     f"kept: free space on that filesystem (`df {self.path.parent}`) and rerun, the run "
+                     f"resumes from its last committed shard",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """Give an ``OSError`` raised in the block the path it concerns: ``WriteFailed`` for a full disk or
+    quota, else the same error with ``filename`` set when it had none (``os.write`` and ``fsync`` name
+    no file)."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except OSError as exc:
+        if exc.errno in _OUT_OF_ROOM:
+            raise WriteFailed(path, exc) from exc
+        if exc.filename is None and not isinstance(exc, UnsafeFile) and exc.errno is not None:
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 def _refusal(path: Path | str, st: os.stat_result) -> str | None:
@@ -237,18 +275,24 @@ def atomic_writer(path: Path | str, mode: str = "w", encoding: str = "utf-8") ->
     # The rename would replace a planted link, not write through it; refusing says what was found.
     check_replaceable(path)
     tmp = _temp_path(path)
-    fd = open_for_write(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with naming(path):
+        fd = open_for_write(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, mode, encoding=None if mode == "wb" else encoding) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+            with naming(path):
+                f.flush()
+                os.fsync(f.fileno())
+        with naming(path):
+            os.replace(tmp, path)
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteFailed) and exc.errno in _OUT_OF_ROOM:
+            raise WriteFailed(path, exc) from exc  # raised by the block's own writes (or the close)
         raise
-    fsync_dir(path.parent)
+    with naming(path):
+        fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
@@ -311,14 +355,15 @@ def append_durable(path: Path | str, data: bytes) -> None:
         UnsafeFile: ``path`` is a symlink, not a regular file, or owned by another user.
         OSError: the file cannot be opened, written or synced.
     """
-    fd = open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        fd = open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_json_object(path: Path | str, what: str | None = None) -> dict[str, Any]:

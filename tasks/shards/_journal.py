@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from tasks.files import checked_dir, fsync_dir, open_for_write
+from tasks.files import checked_dir, fsync_dir, naming, open_for_write
 from tasks.shards._commit import rows_to_table
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "WHOLE_RECORD", "Journal", "JournalContents"]
@@ -106,22 +106,25 @@ class Journal:
             UnsafeFile: the journal is a symlink, not a regular file, or owned by another user.
             OSError: the write failed (``EIO`` for a short write: never half a record).
         """
-        fd = self._open()
         data = orjson.dumps(record) + b"\n"
-        written = os.write(fd, data)
-        if written != len(data):  # only on a full disk or a signal; never leave half a record
-            raise OSError(errno.EIO, f"short write to journal {self.path}")
-        self._dirty = True
-        now = time.monotonic()
-        if now - self._last_sync >= self._fsync_interval_s:
-            os.fsync(fd)
-            self._last_sync = now
-            self._dirty = False
+        with naming(self.path):
+            fd = self._open()
+            written = os.write(fd, data)
+            if written != len(data):  # only on a full disk or a signal; never leave half a record
+                # the torn line is skipped on read and ended by the next open (_heal_torn_tail)
+                raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
+            self._dirty = True
+            now = time.monotonic()
+            if now - self._last_sync >= self._fsync_interval_s:
+                os.fsync(fd)
+                self._last_sync = now
+                self._dirty = False
 
     def sync(self) -> None:
         """fsync what was appended since the last sync (nothing to do when clean)."""
         if self._fd is not None and self._dirty:
-            os.fsync(self._fd)
+            with naming(self.path):
+                os.fsync(self._fd)
             self._dirty = False
 
     def close(self) -> None:
@@ -161,7 +164,7 @@ class Journal:
                 out.turns.setdefault((rec["id"], rec.get("sample", 0)), {}).setdefault(rec["_turn"], rec)
             else:
                 rows.append((number, rec))
-        for number, rec in _storable(rows, out.bad_records):  # a later good copy of a bad row counts
+        for _, rec in _storable(rows, out.bad_records):  # a later good copy of a bad row counts
             out.rows.setdefault((rec["id"], rec.get("sample", 0)), rec)
         return out
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tasks.shards import OutputDir
 from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
 from tests.support.prefect import PrefectServer
 from tests.support.runs import assert_exactly_once, partition, records
@@ -84,4 +86,40 @@ def test_unusable_journal_lines_are_skipped_named_and_their_rows_generated(prefe
            f"generated again" in logs
     assert f"dataset ds: skipped journal {journal} line 2: row 'ds-0001' cannot be stored: column " in logs
     assert "2 shards committed (2 now, 0 resumed), 8 rows generated" in logs
+    assert_exactly_once(out, ids)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 128 KiB tmpfs (a full disk within a few shards); unmounted after the test, also on failure."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_fails_with_exit_1_naming_the_file_and_the_rerun_resumes(
+        prefect_server: PrefectServer, tmp_path: Path, small_disk: Path) -> None:
+    part, ids = partition(tmp_path, {"ds": 60}, [], shard=4, conc=4, max_relaunches=0)
+    env = _env(prefect_server, tmp_path)
+    out = small_disk / "out"
+    cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
+    full = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert full.returncode == 1, full.stderr[-3000:]
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"datagen run: run failed: cannot write {out}/"), last
+    assert "No space left on device (errno 28); what was committed is kept: free space on that filesystem" in last
+    assert "Traceback" not in full.stderr
+    committed = OutputDir(out).committed_indices("ds")
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"15 shards committed ({15 - len(committed)} now, {len(committed)} resumed)" in again.stdout + again.stderr
     assert_exactly_once(out, ids)

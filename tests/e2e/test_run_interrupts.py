@@ -201,3 +201,27 @@ def test_the_api_server_start_up_bound_is_configurable_and_nothing_is_left(tmp_p
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr == "datagen run: DATAGEN_API_START_TIMEOUT_S='soon': expected a positive number of seconds\n"
+
+
+@pytest.mark.parametrize("delay_s", [1.0, 4.0])
+def test_ctrl_c_during_start_up_is_an_interrupt_130_never_a_configuration_error(
+        tmp_path: Path, reap_pids: list[int], delay_s: float) -> None:
+    """At any moment of start-up (imports, Prefect settings, the API server, the flow's first tasks)."""
+    _, env, out, cmd = _slow_run(tmp_path, 40)
+    err_log = tmp_path / "run.err"
+    with open(tmp_path / "run.log", "wb") as fh, open(err_log, "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=fh, stderr=err, start_new_session=True)
+    reap_pids.append(proc.pid)
+    time.sleep(delay_s)
+    family = [proc.pid, *(p.pid for p in _descendants(proc.pid))]
+    reap_pids.extend(family)
+    os.killpg(proc.pid, signal.SIGINT)
+    code = proc.wait(timeout=60)
+    stderr = err_log.read_text()
+    if code == 0:
+        pytest.skip(f"the run finished within {delay_s} s")
+    assert code == 130, stderr[-3000:]
+    assert stderr.splitlines()[-1] == "datagen run: interrupted", stderr[-3000:]
+    assert "Traceback" not in stderr and "Error calling function" not in stderr, stderr[-3000:]
+    assert _alive(family, within_s=10) == []
+    assert _api_records(tmp_path) == []

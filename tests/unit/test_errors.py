@@ -19,7 +19,7 @@ from flows.gpulimit import SlotTimeout
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
-from tasks.files import UnsafeFile
+from tasks.files import UnsafeFile, WriteFailed
 from tasks.hygiene import GpusNotClean, ProbeFailed
 from tasks.inference import ClientError, PromptTooLong, RequestRejected, ServerGone
 from tasks.prompts import TemplateError
@@ -49,7 +49,7 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable,
+    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
@@ -60,7 +60,7 @@ USAGE: set[type[DatagenError]] = {
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
-    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError,
+    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError, WriteFailed,
 }
 
 

@@ -88,7 +88,7 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[run]\nserver_url = 5\n", "run.server_url", "5 is neither an http(s) URL nor a list of them"),
         (BASE + f'[server]\ntargets = "ssh://{"h" * 600}"\n', "server.targets[0]",
          "a target of 606 characters; at most 512"),
-        (BASE + f"[server]\ntargets = {['ssh://h%d' % i for i in range(300)]}\n".replace("'", '"'),
+        (BASE + f"[server]\ntargets = {[f'ssh://h{i}' for i in range(300)]}\n".replace("'", '"'),
          "server.targets", "300 targets; at most 256"),
         (BASE + "[output]\nversioned = 1\n", "output.versioned", "true or false"),
         (BASE + "bogus = 1\n", "bogus", "unknown key"),

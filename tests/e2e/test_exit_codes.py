@@ -1,0 +1,44 @@
+"""Exit codes that tell a wrapper the truth (issue 23 item 6): a Ctrl-C wrapped by a library is still
+130, never 2; a reader that closed the pipe (`datagen export ... | head -1`) ends the command quietly
+with 141."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.outputs import clean_output
+from tests.support.paths import REPO_ROOT
+
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+
+
+def test_a_ctrl_c_that_a_library_wraps_in_its_own_error_exits_130_not_2() -> None:
+    probe = ("import sys; from datagen import cli; "
+             "cli.COMMANDS['probe'] = ('tests.support.sigint_probe', 'test probe'); sys.exit(cli.main(['probe']))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "datagen probe: interrupted\n")
+
+
+def test_export_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    out = clean_output(tmp_path / "out", shards=2, shard_size=50)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -1` that has already exited: every write fails with EPIPE
+    try:
+        proc = subprocess.run([DATAGEN, "export", "--format", "sharegpt", str(out)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO_ROOT)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_export_piped_to_head_gives_the_first_line_and_a_quiet_exit(tmp_path: Path) -> None:
+    out = clean_output(tmp_path / "out", shards=2, shard_size=50)
+    proc = subprocess.run(f"'{DATAGEN}' export --format sharegpt '{out}' | head -1; echo \"${{PIPESTATUS[0]}}\"",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60,
+                          cwd=REPO_ROOT)
+    first, status = proc.stdout.splitlines()
+    assert first.startswith('{"conversations"') or first.startswith("{"), first
+    assert status in ("0", "141") and proc.stderr == "", (status, proc.stderr)
