@@ -33,6 +33,7 @@ import orjson
 
 from tasks.errors import DatagenError
 from tasks.inference._budget import ContextOverflow, capped_sampling
+from tasks.redact import redact_text
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -179,14 +180,11 @@ def _without_secrets(info: dict[str, Any], known: list[str]) -> dict[str, Any]:
     """``info`` without its credential fields, and with their values (and ``known`` secrets)
     replaced by *** wherever else they appear (``launch_command`` repeats the flags)."""
     found = [str(v) for k, v in info.items() if _SECRET_FIELD.search(k) and isinstance(v, str) and v]
-    hide = sorted({*found, *(k for k in known if k)}, key=len, reverse=True)
+    hide = [*found, *(k for k in known if k)]
 
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            value = _SECRET_FLAG.sub(r"\1\2***", value)
-            for secret in hide:
-                value = value.replace(secret, "***")
-            return value
+            return _SECRET_FLAG.sub(r"\1\2***", redact_text(value, hide))
         if isinstance(value, list):
             return [clean(v) for v in value]
         if isinstance(value, dict):

@@ -13,6 +13,7 @@ that takes it from ``DATAGEN_SERVER_API_KEY`` in the environment, puts it in the
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tasks.errors import DatagenError
+from tasks.redact import redact_text, secret_forms
 
 __all__ = [
     "API_KEY_ENV",
@@ -241,7 +243,7 @@ BOOTSTRAP_ENV = "DATAGEN_SERVER_BOOTSTRAP"
 # same way (same exit code, or death by the same signal; SIGKILL cannot be given a disposition).
 # Fd-level redaction is needed: SGLang logs server_args (api_key included) and writers may bypass
 # sys.stderr.
-_BOOTSTRAP = r"""import os, select, signal, sys
+_BOOTSTRAP_BODY = r"""import os, select, signal, sys
 E = os.environ
 key = E.pop("DATAGEN_SERVER_API_KEY")
 E.pop("DATAGEN_SERVER_BOOTSTRAP", None)
@@ -265,10 +267,16 @@ def forward(signum, frame):
         pass
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, forward)
-k = key.encode()
+forms = [f.encode("utf-8", "surrogateescape") for f in secret_forms(key)]
+longest = max(len(f) for f in forms)
+spans_lines = any(b"\n" in f for f in forms)  # a raw key with a newline may straddle a line end
 buf = b""
+def scrub(data):
+    for f in forms:
+        data = data.replace(f, b"***")
+    return data
 def out(data):
-    data = data.replace(k, b"***")
+    data = scrub(data)
     while data:
         data = data[os.write(1, data):]
 def pump(timeout):
@@ -280,8 +288,13 @@ def pump(timeout):
         return None
     buf += d
     i = buf.rfind(b"\n") + 1
-    if i == 0 and len(buf) > (1 << 20):
-        i = len(buf) - len(k)
+    if spans_lines:
+        # A key with a newline can straddle a line end: hide every whole one in the buffer, then keep
+        # only what may be the start of one (shorter than the longest form) for the next read.
+        buf = scrub(buf)
+        i = max(0, len(buf) - (longest - 1))
+    elif i == 0 and len(buf) > (1 << 20):
+        i = len(buf) - longest
     if i > 0:
         out(buf[:i])
         buf = buf[i:]
@@ -307,6 +320,7 @@ if status < 0:
     os._exit(128 - status)
 os._exit(status)
 """
+_BOOTSTRAP = inspect.getsource(secret_forms) + _BOOTSTRAP_BODY
 _STUB = f"import os;exec(os.environ[{BOOTSTRAP_ENV!r}])"
 
 
@@ -334,8 +348,9 @@ def launch_env(cfg: ServerConfig, base: Mapping[str, str] | None = None) -> dict
 
 
 def redact(argv: Sequence[str], secret: str | None) -> list[str]:
-    """``argv`` with ``secret`` replaced by ``***`` (for logs and reports)."""
+    """``argv`` with every spelling of ``secret`` (``secret_forms``) replaced by ``***`` (for logs and
+    reports)."""
     if not secret:
         return list(argv)
-    return [a.replace(secret, "***") for a in argv]
+    return [redact_text(a, [secret]) for a in argv]
 

@@ -33,6 +33,7 @@ from tasks.inference import (
     engine_of,
 )
 from tasks.inference._rows import derive_seed, request_id
+from tasks.redact import secret_forms
 from tasks.server import FileStore, FractionMemory, LaunchReport, ServerHandle, launch_tuned, stop_server
 from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
 
@@ -54,7 +55,8 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     base = tmp_path_factory.mktemp("sglang-live")
-    key = "sk-test-" + secrets.token_hex(16)
+    # a backslash and both quotes: SGLang prints server_args as a repr, where the raw key does not appear
+    key = "sk-te\\st'\"-" + secrets.token_hex(16)
     cfg = cpu_config(tiny_model, api_key=key, reasoning_parser="qwen3")
     health: list[str] = []
     done = threading.Event()
@@ -137,7 +139,9 @@ def test_api_key_is_in_no_command_line_log_or_artifact(live: Live) -> None:
     for cmdline in live.cmdlines.values():
         assert live.key not in cmdline
     log = Path(live.handle.log_path).read_text()
-    assert "server_args=" in log and live.key not in log
+    assert "server_args=" in log
+    for form in secret_forms(live.key):  # raw, repr ('sk-te\\\\st\\'"-...'), JSON, URL, shell-quoted
+        assert form not in log, form
     assert "'api_key': '***'" in log
     for artifact in (live.handle.to_dict(), live.report.to_dict(), live.memory_file.read_text()):
         assert live.key not in json.dumps(artifact)
