@@ -47,6 +47,7 @@ from tasks.server._config import (
     redact,
     server_flags,
 )
+from tasks.server._leash import Leash, leash
 from tasks.server._log import (
     Failure,
     FailureKind,
@@ -113,6 +114,7 @@ class ServerHandle:
     api_key: str | None = field(default=None, repr=False)
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _tunnel: server_remote.Tunnel | None = field(default=None, repr=False)
+    _leash: Leash | None = field(default=None, repr=False)  # ends the group if this process dies
 
     @property
     def headroom_gib(self) -> float | None:
@@ -217,7 +219,9 @@ def launch(
     shown = build_command(cfg, fraction)
     if _is_local(target):
         handle = _start_local(cfg, fraction, Path(log_dir), shown)
-        _tell_started(on_started, handle.pid, handle.pgid, lambda: _kill_group(handle, grace_s=5.0))
+        _put_on_leash(handle, lambda: _kill_group(handle, grace_s=5.0))
+        _tell_started(on_started, handle.pid, handle.pgid,
+                      lambda: (_kill_group(handle, grace_s=5.0), _release_leash(handle)))
     else:
         t = parse_target(target)
         taken = listeners_on(t, cfg.host, cfg.port)
@@ -234,14 +238,33 @@ def launch(
             command=shown, gpus=cfg.gpu_indexes(), progress=StartupProgress(), ready_s=0.0,
             api_key=cfg.api_key, _tunnel=started.tunnel,
         )
+        _put_on_leash(handle, lambda: (server_remote.kill_group(t, started.pid, grace_s=5.0), _close_tunnel(handle)))
     try:
         _await_ready(handle, cfg, deadline_s, on_progress, health_timeout_s)
     except BaseException:
         _close_tunnel(handle)
+        _release_leash(handle)
         raise
     if not handle.is_remote:
         handle.member_pids = group_pids(handle.pgid)
     return handle
+
+
+def _put_on_leash(handle: ServerHandle, kill: Callable[[], Any]) -> None:
+    """Give ``handle`` its guardian (tasks.server._leash); a server that cannot be leashed is killed."""
+    try:
+        handle._leash = leash(handle.target, handle.pgid)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            kill()
+        raise
+
+
+def _release_leash(handle: ServerHandle) -> None:
+    if handle._leash is not None:
+        with contextlib.suppress(Exception):
+            handle._leash.release()
+        handle._leash = None
 
 
 def _tell_started(on_started: Callable[[int, int], None] | None, pid: int, pgid: int,
@@ -465,6 +488,7 @@ def stop_server(
         pids = _kill_group(handle, grace_s)
     finally:
         _close_tunnel(handle)  # local: closable even when the server's host no longer answers
+        _release_leash(handle)  # after the kill: a guardian let go early would race the stop
     log.info("server %s (pgid %d) stopped; pids %s", handle.url, handle.pgid, pids)
     if hygiene is None:
         return None

@@ -1,0 +1,113 @@
+"""The leash: a server's process group ends when the process that launched it dies (SIGKILL included),
+with SIGKILL after the grace for a server that ignores SIGTERM; a released leash after a stop exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tasks.procs import live_pids
+from tasks.server._leash import leash
+
+# A stand-in for a launched server: a leader in its own session with a child, both sleeping; with
+# IGNORE, both ignore SIGTERM (a server stuck in its drain).
+SERVER = textwrap.dedent("""
+    import os, signal, sys, time
+    if sys.argv[1] == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(os.getpid(), child, flush=True)
+    time.sleep(600)
+""")
+
+# The run: launches the server, leashes it, reports the pids, then waits to be killed.
+CONTROLLER = textwrap.dedent("""
+    import subprocess, sys, time
+    from tasks.server._leash import leash
+    server = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    leader, child = server.stdout.readline().split()
+    guard = leash("local", server.pid, grace_s=float(sys.argv[3]))
+    print(leader, child, guard.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while live_pids(pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _controller(mode: str, grace_s: float) -> tuple[subprocess.Popen[str], list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER, SERVER, mode, str(grace_s)], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[3], start_new_session=True)
+    assert proc.stdout is not None
+    return proc, [int(p) for p in proc.stdout.readline().split()]
+
+
+def _close(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_server_group_ends_when_the_run_is_killed_with_sigkill() -> None:
+    proc, (leader, child, guardian) = _controller("drain", grace_s=4.0)
+    try:
+        assert live_pids([leader, child, guardian]) == [leader, child, guardian]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _gone([leader, child], within_s=3.0), "SIGTERM to the leader ends a server that drains"
+        assert _gone([guardian], within_s=3.0)
+    finally:
+        _reap([leader, child, guardian])
+        _close(proc)
+
+
+def test_a_server_ignoring_sigterm_is_killed_after_the_grace() -> None:
+    proc, (leader, child, guardian) = _controller("ignore", grace_s=2.0)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        started = time.monotonic()
+        assert _gone([leader, child], within_s=10.0)
+        assert time.monotonic() - started >= 1.0  # the leader was given its half of the grace first
+        assert _gone([guardian], within_s=3.0)
+    finally:
+        _reap([leader, child, guardian])
+        _close(proc)
+
+
+def test_a_released_leash_after_a_stop_exits_and_leaves_nothing() -> None:
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    guard = leash("local", server.pid, grace_s=4.0)
+    try:
+        server.kill()
+        server.wait(5)
+        started = time.monotonic()
+        guard.release()
+        assert guard.proc.returncode == 0 and time.monotonic() - started < 3.0
+    finally:
+        _reap([server.pid, guard.pid])
