@@ -220,8 +220,12 @@ def launch(
     if _is_local(target):
         handle = _start_local(cfg, fraction, Path(log_dir), shown)
         _put_on_leash(handle, lambda: _kill_group(handle, grace_s=5.0))
-        _tell_started(on_started, handle.pid, handle.pgid,
-                      lambda: (_kill_group(handle, grace_s=5.0), _release_leash(handle)))
+
+        def kill_local() -> None:
+            _kill_group(handle, grace_s=5.0)
+            _release_leash(handle)
+
+        _tell_started(on_started, handle.pid, handle.pgid, kill_local)
     else:
         t = parse_target(target)
         taken = listeners_on(t, cfg.host, cfg.port)
@@ -238,7 +242,12 @@ def launch(
             command=shown, gpus=cfg.gpu_indexes(), progress=StartupProgress(), ready_s=0.0,
             api_key=cfg.api_key, _tunnel=started.tunnel,
         )
-        _put_on_leash(handle, lambda: (server_remote.kill_group(t, started.pid, grace_s=5.0), _close_tunnel(handle)))
+
+        def kill_remote() -> None:
+            server_remote.kill_group(t, started.pid, grace_s=5.0)
+            _close_tunnel(handle)
+
+        _put_on_leash(handle, kill_remote)
     try:
         _await_ready(handle, cfg, deadline_s, on_progress, health_timeout_s)
     except BaseException:

@@ -77,7 +77,8 @@ class Leash:
     """The guardian of one server's process group; ``release()`` lets it go (after a stop)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], write_fd: int, pgid: int, target: str) -> None:
-        self.proc, self._fd, self.pgid, self.target = proc, write_fd, pgid, target
+        self.proc, self.pgid, self.target = proc, pgid, target
+        self._fd: int | None = write_fd
 
     @property
     def pid(self) -> int:
