@@ -54,7 +54,7 @@ def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
     assert record["lease"] and record["owner"]["pid"] == first.pid  # on_lease reached the run record
     assert record["owner"]["started"] == pytest.approx(psutil.Process(first.pid).create_time())
     server_pid = record["servers"][0]["pid"]
-    reap_pids.append(server_pid)  # a plain run's server outlives the SIGKILL; the rerun's hygiene kills it
+    reap_pids.append(server_pid)  # its leash ends it (tasks.server._leash), else the rerun's hygiene would
     first.send_signal(signal.SIGKILL)
     first.wait()
 

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from emulator.simgpu import SimGpus
 from tasks.shards import OutputDir
 from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
+from tests.support.common import pid_alive
 from tests.support.prefect import PrefectServer
-from tests.support.runs import assert_exactly_once, partition, records
+from tests.support.runs import assert_exactly_once, done_rows, partition, records
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +128,35 @@ def test_a_full_disk_fails_with_exit_1_naming_the_file_and_the_rerun_resumes(
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"15 shards committed ({15 - len(committed)} now, {len(committed)} resumed)" in again.stdout + again.stderr
     assert_exactly_once(out, ids)
+
+
+def test_a_run_killed_with_sigkill_leaves_no_server_and_no_gpu_memory_held(
+        prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
+    """No rerun follows: the run's own leash must end its server (the simulated GPU holds 0 MiB)."""
+    part, _ = partition(tmp_path, {"ds": 200}, ["--emu-decode-ms-per-step", "30"], shard=20, conc=8,
+                        max_relaunches=0)
+    env = _env(prefect_server, tmp_path)
+    out = tmp_path / "out"
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen([DATAGEN, "run", "--partition", str(part), "--out", str(out)], env=env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    reap_pids.append(proc.pid)
+    deadline = time.monotonic() + 180
+    while done_rows(out) < 10:
+        assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run generated nothing"
+        time.sleep(0.05)
+    (record,) = records(tmp_path).values()
+    server = record["servers"][0]
+    family = [p.pid for p in psutil.Process(server["pid"]).children(recursive=True)] + [server["pid"]]
+    reap_pids.extend(family)
+    assert any(g["used_mib"] > 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])
+    proc.send_signal(signal.SIGKILL)  # `kill -9 PID` of the run alone
+    proc.wait(10)
+    killed = time.monotonic()
+    while [p for p in family if pid_alive(p)]:
+        assert time.monotonic() - killed < 30, f"server processes alive 30 s after the run died: {family}"
+        time.sleep(0.2)
+    while any(g["used_mib"] > 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"]):
+        assert time.monotonic() - killed < 30, "GPU memory still held 30 s after the run died"
+        time.sleep(0.2)
