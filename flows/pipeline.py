@@ -28,6 +28,7 @@ from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.progress import Progress
 from flows.stages import validate
 from flows.summary import RunSummary
+from tasks.config import state_dir
 from tasks.prompts import iter_dataset
 from tasks.shards import OutputDir
 from tasks.validation import ValidationFailed
@@ -163,3 +164,7 @@ def _reclaim_dead_runs(ctx: RunContext) -> None:
     for dead_run, entry in runrecord.end_dead_servers(exclude=ctx.run_id, grace_s=ctx.cfg.hygiene_grace_s):
         logger.warning("ended server pid %s (process group %s) of dead run %s on this host",
                        entry["pid"], entry.get("pgid") or entry["pid"], dead_run)
+    pruned = runrecord.prune(exclude=ctx.run_id)
+    if pruned:
+        logger.info("removed %d run record(s) of finished runs older than %g days from %s", len(pruned),
+                    runrecord.RECORD_KEEP_DAYS, state_dir() / "runs")

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "end_server",
     "owner",
     "process_alive",
+    "prune",
     "read",
     "records",
     "release_dead_leases",
@@ -223,3 +225,45 @@ def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[t
             fresh["servers"] = servers
             _write(run_id, fresh)
     return ended
+
+
+RECORD_KEEP_DAYS = 14.0  # a finished run's record is kept this long (for `datagen status`, a post-mortem)
+RECORD_KEEP_LAST = 100  # and the newest this many records are kept whatever their age
+
+
+def finished(data: dict[str, Any]) -> bool:
+    """Whether a record asks nothing more of anyone: its flow process is dead (or it names none), its
+    slot lease was released (or it took none) and every local server it launched was stopped, ended
+    or is gone."""
+    own = data.get("owner")
+    if isinstance(own, dict) and own.get("host") == socket.gethostname() and process_alive(own):
+        return False
+    if data.get("lease") and not data.get("lease_released"):
+        return False
+    return all(s.get("state") in ("ended", "gone", "stopped") for s in data.get("servers") or []
+               if isinstance(s, dict) and s.get("target", "local") == "local")
+
+
+def prune(exclude: str | None = None, *, keep_days: float = RECORD_KEEP_DAYS, keep_last: int = RECORD_KEEP_LAST,
+          now: float | None = None) -> list[str]:
+    """Delete the records of finished runs (``finished``) older than ``keep_days`` (by the record's
+    modification time), beyond the newest ``keep_last``; ``exclude`` (this run) is never deleted.
+    Returns the run ids deleted. Never raises."""
+    folder = state_dir() / "runs"
+    try:
+        paths = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    cutoff = (time.time() if now is None else now) - keep_days * 86400
+    deleted = []
+    for path in paths[keep_last:]:
+        try:
+            if path.stem == exclude or path.stat().st_mtime >= cutoff:
+                continue
+            with _LOCK:
+                if finished(read(path.stem)):
+                    path.unlink()
+                    deleted.append(path.stem)
+        except OSError:
+            continue
+    return deleted

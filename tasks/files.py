@@ -275,8 +275,14 @@ def atomic_writer(path: Path | str, mode: str = "w", encoding: str = "utf-8") ->
     # The rename would replace a planted link, not write through it; refusing says what was found.
     check_replaceable(path)
     tmp = _temp_path(path)
-    with naming(path):
+    try:
         fd = open_for_write(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except (UnsafeFile, WriteFailed):
+        raise
+    except OSError as exc:  # name the file asked for, not the temp file beside it
+        if exc.errno in _OUT_OF_ROOM:
+            raise WriteFailed(path, exc) from exc
+        raise type(exc)(exc.errno, f"{exc.strerror} (writing it through a temp file beside it)", str(path)) from exc
     try:
         with os.fdopen(fd, mode, encoding=None if mode == "wb" else encoding) as f:
             yield f

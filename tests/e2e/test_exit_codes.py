@@ -42,3 +42,13 @@ def test_export_piped_to_head_gives_the_first_line_and_a_quiet_exit(tmp_path: Pa
     first, status = proc.stdout.splitlines()
     assert first.startswith('{"conversations"') or first.startswith("{"), first
     assert status in ("0", "141") and proc.stderr == "", (status, proc.stderr)
+
+
+def test_export_to_an_unwritable_out_names_the_path_given(tmp_path: Path) -> None:
+    out = clean_output(tmp_path / "out", shards=1, shard_size=5)
+    for target in ("/proc/self/x", str(tmp_path / "no" / "such" / "x.jsonl")):
+        proc = subprocess.run([DATAGEN, "export", "--format", "sharegpt", "--out", target, str(out)],
+                              capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert proc.returncode == 2
+        assert proc.stderr == (f"datagen export: [Errno 2] No such file or directory (writing it through a temp "
+                               f"file beside it): '{target}'\n")

@@ -95,3 +95,28 @@ def test_concurrent_sessions_record_every_server_and_tell_hosts_apart(
     servers = runrecord.read("run")["servers"]
     assert sorted(s["target"] for s in servers) == targets
     assert all(s["state"] == "ready" and s["url"] == f"http://{s['target'][6:]}" for s in servers)
+
+
+def test_prune_deletes_only_old_finished_records_beyond_the_newest(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = {"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}
+    runrecord.update("old-done", owner=dead, lease="L1", lease_released=True,
+                     servers=[{"target": "local", "pid": 1, "state": "stopped"}])
+    runrecord.update("old-no-owner")
+    runrecord.update("old-lease-held", owner=dead, lease="L2", lease_released=False)
+    runrecord.update("old-server-running", owner=dead, servers=[{"target": "local", "pid": 1, "state": "running"}])
+    runrecord.update("old-alive", owner=runrecord.owner())
+    runrecord.update("old-me", owner=dead)
+    runrecord.update("new-done", owner=dead)
+    old = 1_000_000.0
+    for name in ("old-done", "old-no-owner", "old-lease-held", "old-server-running", "old-alive", "old-me"):
+        os.utime(tmp_path / "runs" / f"{name}.json", (old, old))
+    now = old + 15 * 86400
+    assert runrecord.prune(exclude="old-me", keep_last=6, now=now) == []  # the newest six are kept
+    assert sorted(runrecord.prune(exclude="old-me", keep_last=1, now=now)) == ["old-done", "old-no-owner"]
+    assert sorted(p.stem for p in (tmp_path / "runs").glob("*.json")) == [
+        "new-done", "old-alive", "old-lease-held", "old-me", "old-server-running"]
+    assert runrecord.prune(keep_last=0, now=old + 86400) == []  # nothing is older than 14 days then
