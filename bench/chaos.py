@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -54,12 +55,18 @@ from tests.support.sshd import (  # noqa: E402
 )
 
 FAULTS = ("kill9", "server_crash", "runtime_oom", "hang", "http_503", "orphan", "stale_holder",
-          "disk_full", "malformed", "multi_server_dies", "multi_host_unreachable", "multi_server_hangs")
+          "disk_full", "malformed", "multi_server_dies", "multi_host_unreachable", "multi_server_hangs",
+          "dir_symlink", "manifest_traversal", "bad_body", "kill9_no_rerun")
 # Faults of one server among three, each on its own host (a real sshd on 127.0.0.2, .3, .4).
 MULTI = ("multi_server_dies", "multi_host_unreachable", "multi_server_hangs")
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 TAG_ENV = "DATAGEN_CHAOS_TAG"
 MAX_PROGRESS_RERUNS = 12  # reruns beyond --max-reruns only while each adds rows
+OUTLIVE_BOUND_S = 30.0  # kill9_no_rerun: no process of the killed run (its server) may live longer
+# Files outside OUT that a run following a planted link or a hostile manifest would write, delete or
+# rewrite; every round checksums this tree before and after.
+SENTINEL_FILES = ("ds0.jsonl", "notes.tmp-77-abcd", "shard-00000.parquet", "shard-00000.jsonl",
+                  "ds0/shard-00001.jsonl", "ds0/shard-00000.parquet", "server.log")
 VENV_BIN = Path(sys.executable).parent
 DATAGEN = str(VENV_BIN / "datagen") if (VENV_BIN / "datagen").exists() else "datagen"
 MODEL_DIR = ROOT / "data" / "models" / "demo"
@@ -94,6 +101,7 @@ class Plan:
     victim_args: str = ""  # multi: emulator fault flags of the victim host's server (DATAGEN_EMU_ARGS)
     act_at_rows: int | None = None  # multi: kill the victim's server / cut its host off at this many rows
     restore_after_s: float = 0.0  # multi_host_unreachable: its sshd comes back after this long
+    plant: str | None = None  # dir_symlink: the directory under OUT planted as a link to the sentinel
 
     def describe(self) -> str:
         bits: list[str] = []
@@ -121,6 +129,8 @@ class Plan:
             bits.append(f"act@{self.act_at_rows}rows")
         if self.restore_after_s:
             bits.append(f"back after {self.restore_after_s:.1f}s")
+        if self.plant:
+            bits.append(f"link {self.plant}")
         return " ".join(bits)
 
 
@@ -178,6 +188,12 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
         p.restore_after_s = rng.uniform(0.5, 4.0)
     elif fault == "multi_server_hangs":
         p.victim_args = f"--emu-hang-after {rng.randint(5, max(5, total // 6))}"
+    elif fault == "dir_symlink":
+        p.plant = rng.choice(("ds0", "_journal", "_journal/ds0", "_rejects", "_logs"))
+    elif fault in ("manifest_traversal", "kill9_no_rerun"):
+        p.kill_at_rows = rng.randint(1, max(1, total - 1))
+    elif fault == "bad_body":
+        p.extra_args += ["--emu-bad-body-rate", f"{rng.uniform(0.03, 0.15):.2f}", "--emu-seed", str(rng.randrange(1000))]
     return p
 
 
@@ -375,6 +391,8 @@ class RoundResult:
     validate_rc: int | None = None
     leftovers: list[str] = field(default_factory=list)
     gpu_mib_left: int = 0
+    outside_changed: bool = False  # the sentinel tree outside OUT differs after the round
+    outlived_s: float | None = None  # kill9_no_rerun: how long the killed run's processes lived on
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -382,7 +400,8 @@ class RoundResult:
     def ok(self) -> bool:
         return (not self.errors and self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
                 and self.rejects == self.rejects_expected and self.validate_rc == 0 and not self.leftovers
-                and self.gpu_mib_left == 0)
+                and self.gpu_mib_left == 0 and not self.outside_changed
+                and (self.outlived_s is None or self.outlived_s <= OUTLIVE_BOUND_S))
 
 
 def _done_rows(out: Path) -> int:
@@ -468,6 +487,39 @@ def _check_output(res: RoundResult, out: Path, ids: dict[str, set[str]], bad: di
             res.errors.append(f"{name}: reject lines {sorted(lines)} != malformed lines {sorted(bad[name])}")
 
 
+def make_sentinel(root: Path) -> None:
+    for name in SENTINEL_FILES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(f"not datagen's: {name}\n".encode())
+
+
+def tree_digest(root: Path) -> str:
+    """One sha256 over every path, kind and content below ``root``."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        h.update(b"link:" + os.readlink(p).encode() if p.is_symlink() else b"dir" if p.is_dir() else p.read_bytes())
+    return h.hexdigest()
+
+
+def _expect(res: RoundResult, what: str, proc: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    """A refusal the round expects: exit ``code`` and ``text`` in the output, else a round error."""
+    said = proc.stdout + proc.stderr
+    if proc.returncode != code or text not in said:
+        res.errors.append(f"{what}: exit {proc.returncode} (expected {code} with {text!r}): {said.strip()[-300:]}")
+
+
+def _wait_gone(tag: str, sims: list[Path], bound_s: float) -> float:
+    """Seconds until no process carries ``tag`` and no simulated GPU holds memory (``bound_s`` + 1
+    when that never happened within the bound)."""
+    start = time.monotonic()
+    while tagged_pids(tag) or sum(_sim_used_mib(p) for p in sims):
+        if time.monotonic() - start > bound_s:
+            return bound_s + 1
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 def _sim_used_mib(sim_path: Path) -> int:
     snap = SimGpus(sim_path).snapshot()
     return sum(int(g.get("used_mib", 0)) for g in snap["gpus"])
@@ -498,6 +550,29 @@ def _victim_action(plan: Plan, rdir: Path, victim: SshHost, timers: list[threadi
         return True
 
     return kill_server if plan.fault == "multi_server_dies" else cut
+
+
+def _hostile_manifest(res: RoundResult, out: Path, cmd: list[str], env: dict[str, str], log: Path) -> str:
+    """Add a dataset named ``../sentinel`` (a copy of a real entry) to the killed run's manifest: every
+    command refuses it naming the manifest and key; the operator then restores the manifest. Returns
+    the refused run's status."""
+    path = out / "_manifest.json"
+    original = path.read_bytes()
+    manifest = json.loads(original)
+    if not manifest.get("datasets"):
+        return "2"
+    manifest["datasets"]["../sentinel"] = json.loads(json.dumps(next(iter(manifest["datasets"].values()))))
+    path.write_text(json.dumps(manifest))
+    key = f"{path}: datasets.'../sentinel': dataset name '../sentinel' must be"
+    for argv in (["status"], ["repair"], ["validate"]):
+        proc = subprocess.run([DATAGEN, *argv, str(out)], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        _expect(res, f"datagen {argv[0]} on a manifest with '../sentinel'", proc, 2, key)
+    with open(log, "ab") as fh:
+        fh.write(b"\n=== run on a manifest with a traversal name\n")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    _expect(res, "datagen run on a manifest with '../sentinel'", proc, 2, key)
+    path.write_bytes(original)
+    return str(proc.returncode)
 
 
 def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_timeout_s: float) -> RoundResult:
@@ -541,6 +616,9 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             ids[name], bad[name] = write_dataset(paths[name], name, plan, n)
         part = rdir / "partition.toml"
         write_partition(part, plan, paths, out, hosts)
+        sentinel = rdir / "sentinel"
+        make_sentinel(sentinel)
+        before = tree_digest(sentinel)
         if plan.tmpfs_kib:
             r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={plan.tmpfs_kib}k", "chaos-tmpfs", str(out)],
                                capture_output=True, text=True)
@@ -550,12 +628,27 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             mounted = True
         if plan.holder:
             holder = _start_holder(plan.holder, env, rdir / "holder.log")
+        link = out / plan.plant if plan.plant else None
+        if link is not None:  # someone planted a directory link in the output
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(sentinel, target_is_directory=True)
         cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
         log = rdir / "run.log"
-        status = _run_datagen(cmd, env, log, run_timeout_s, plan if plan.fault == "kill9" else None, out, act)
+        killing = plan if plan.fault in ("kill9", "manifest_traversal", "kill9_no_rerun") else None
+        status = _run_datagen(cmd, env, log, run_timeout_s, killing, out, act)
         for timer in timers:
             timer.join()  # the host is back before any rerun
         res.runs.append(status)
+        sims = [sim_path, *(h.sim_gpus for h in hosts)]
+        if plan.fault == "kill9_no_rerun" and status.startswith("killed"):
+            res.outlived_s = _wait_gone(tag, sims, OUTLIVE_BOUND_S)  # no rerun cleans up: the run's leash must
+        if link is not None:
+            if status != "2" or f"refusing to use {link}: it is a symbolic link" not in log.read_text():
+                res.errors.append(f"planted {plan.plant}: the run exited {status} without refusing the link")
+            link.unlink()  # the operator removes it and reruns
+        if plan.fault == "manifest_traversal" and (out / "_manifest.json").is_file():
+            status = _hostile_manifest(res, out, cmd, env, log)
+            res.runs.append(status)
         if mounted:  # the operator frees space: grow the filesystem in place
             subprocess.run(["mount", "-o", "remount,size=256m", str(out)], check=True)
         reruns = 0
@@ -583,7 +676,6 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
             except subprocess.TimeoutExpired:
                 pass
         # Processes and GPU memory: poll briefly (a just-killed process is reaped asynchronously).
-        sims = [sim_path, *(h.sim_gpus for h in hosts)]
         end = time.monotonic() + 5
         left = tagged_pids(tag)
         used = sum(_sim_used_mib(p) for p in sims)
@@ -593,6 +685,9 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
         res.leftovers = [describe_pid(p) for p in left]
         res.gpu_mib_left = used
         kill_pids(left)
+        res.outside_changed = tree_digest(sentinel) != before
+        if res.outside_changed:
+            res.errors.append(f"files outside the output changed: {sentinel}")
     except Exception as exc:  # a harness error fails the round, it does not end the chaos run
         res.errors.append(f"harness: {type(exc).__name__}: {exc}")
         kill_pids(tagged_pids(tag))
@@ -614,10 +709,11 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
 
 def print_table(results: list[RoundResult]) -> None:
     header = ("round", "fault", "params", "runs", "rows", "lost", "dup", "rejects", "validate", "left", "gpuMiB",
-              "s", "ok")
+              "outside", "outlived", "s", "ok")
     rows = [header] + [
         (str(r.round), r.fault, r.params, ",".join(r.runs), f"{r.rows}/{r.expected}", str(r.lost), str(r.duplicated),
          f"{r.rejects}/{r.rejects_expected}", str(r.validate_rc), str(len(r.leftovers)), str(r.gpu_mib_left),
+         "changed" if r.outside_changed else "same", "-" if r.outlived_s is None else f"{r.outlived_s:.1f}s",
          f"{r.seconds:.0f}", "yes" if r.ok else "NO")
         for r in results
     ]
@@ -635,7 +731,10 @@ def print_table(results: list[RoundResult]) -> None:
     print("\nper fault: " + ", ".join(f"{f} {sum(v)}/{len(v)}" for f, v in sorted(by_fault.items())))
     print(f"lost rows {sum(r.lost for r in results)}, duplicated rows {sum(r.duplicated for r in results)}, "
           f"leftover processes {sum(len(r.leftovers) for r in results)}, "
-          f"GPU MiB left {sum(r.gpu_mib_left for r in results)}; "
+          f"GPU MiB left {sum(r.gpu_mib_left for r in results)}, "
+          f"rounds with files outside OUT changed {sum(r.outside_changed for r in results)}, "
+          f"longest a killed run's server lived on "
+          f"{max((r.outlived_s for r in results if r.outlived_s is not None), default=0.0):.1f} s; "
           f"{sum(r.ok for r in results)}/{len(results)} rounds passed")
 
 

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-crash-after", type=int, default=None)
     e.add_argument("--emu-hang-after", type=int, default=None)
     e.add_argument("--emu-503-rate", type=float, default=0.0)
+    e.add_argument("--emu-bad-body-rate", type=float, default=0.0,
+                   help="fraction of /generate answers sent as a 200 with a truncated, non-JSON body")
     e.add_argument("--emu-ignore-sigterm", action="store_true")
     e.add_argument("--emu-orphan-on-crash", action="store_true")
     e.add_argument("--emu-prefill-us-per-token", type=float, default=5.0)
@@ -279,7 +281,7 @@ class Main:
             args=a, model=self.model, fmt=format_for_model(self.model.model_type, self.model.architecture),
             engine=engine, context_length=a.context_length,
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
-            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 else None, startup_s=time.monotonic() - _STARTED,
+            rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 or a.emu_bad_body_rate > 0 else None, startup_s=time.monotonic() - _STARTED,
             request_log=open(a.emu_request_log, "a", buffering=1) if a.emu_request_log else None,  # noqa: SIM115
         )
         self.state = st

@@ -293,7 +293,8 @@ class _Api:
         return self.ready_or_503() or web.Response(status=200)
 
     def _admit_faults(self) -> web.Response | None:
-        """Per-request faults: hang, crash, 503 rate. None when the request may proceed."""
+        """Per-request faults: hang, crash, 503 rate, bad 200 bodies (status 299 here, sent as 200). None
+        when the request hangs; a 200 response when it may proceed."""
         self.st.generate_count += 1
         a = self.st.args
         if self.st.hung or self.engine.halted:
@@ -308,6 +309,9 @@ class _Api:
             return None
         if self.st.rng_503 is not None and self.st.rng_503.random() < a.emu_503_rate:
             return _queue_full()
+        if self.st.rng_503 is not None and self.st.rng_503.random() < a.emu_bad_body_rate:
+            # what a proxy that cuts or rewrites answers gives: a 200 whose body is not the JSON answer
+            return web.Response(status=299, body=b'{"text": "cut off mid-ans', content_type="application/json")
         return web.Response(status=200)
 
     async def _hold(self) -> None:
@@ -338,6 +342,8 @@ class _Api:
         fault = self._admit_faults()
         if fault is None:
             return await _never()
+        if fault.status == 299:
+            return web.Response(status=200, body=fault.body, content_type="application/json")
         if fault.status != 200:
             return fault
         text = body.get("text")
