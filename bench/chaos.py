@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -44,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
+from tests.support.common import tree_digest  # noqa: E402
 from tests.support.sshd import (  # noqa: E402
     SSHD,
     SshHost,
@@ -491,15 +491,6 @@ def make_sentinel(root: Path) -> None:
     for name in SENTINEL_FILES:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(f"not datagen's: {name}\n".encode())
-
-
-def tree_digest(root: Path) -> str:
-    """One sha256 over every path, kind and content below ``root``."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode() + b"\0")
-        h.update(b"link:" + os.readlink(p).encode() if p.is_symlink() else b"dir" if p.is_dir() else p.read_bytes())
-    return h.hexdigest()
 
 
 def _expect(res: RoundResult, what: str, proc: subprocess.CompletedProcess[str], code: int, text: str) -> None:

@@ -4,7 +4,6 @@ nothing outside the output changes (a checksum of the links' targets before and 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.shards import OutputDir
 from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
-from tests.support.common import pid_alive
+from tests.support.common import pid_alive, tree_digest
 from tests.support.prefect import PrefectServer
 from tests.support.runs import assert_exactly_once, done_rows, partition, records
 
@@ -33,15 +32,6 @@ def sentinel_tree(root: Path) -> None:
     for name in ("ds.jsonl", "notes.tmp-77-abcd", "shard-00000.parquet", "shard-00000.jsonl",
                  "ds/shard-00001.jsonl", "server.log"):
         (root / name).write_bytes(SENTINEL)
-
-
-def tree_digest(root: Path) -> str:
-    """One sha256 over every path, kind and content below ``root``."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode() + b"\0")
-        h.update(b"link:" + os.readlink(p).encode() if p.is_symlink() else b"dir" if p.is_dir() else p.read_bytes())
-    return h.hexdigest()
 
 
 PLANTED = ["ds", "_journal", "_journal/ds", "_rejects", "_logs"]
