@@ -106,8 +106,8 @@ def test_unusable_inputs_and_outputs_exit_2_with_one_line(tmp_path: Path) -> Non
                     "or --server-url URL (a running server)",
         "status_file": f"datagen status: {good} is a file, not an output directory: give the directory that "
                        "holds _manifest.json",
-        "status_garbage": f"datagen status: {garbage}/_manifest.json: datasets: not a manifest's table of "
-                          "datasets and their shards",
+        "status_garbage": f"datagen status: {garbage}/_manifest.json: datasets.x.shards: not a table of shards; "
+                          "the manifest is damaged",
     }
     for name, res in results.items():
         assert res.returncode == 2, (name, res.stderr)

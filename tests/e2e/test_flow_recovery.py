@@ -187,8 +187,15 @@ def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
         time.sleep(0.05)
     members = _group(pgid)
     reap_pids.extend(members)
-    first.send_signal(signal.SIGKILL)
+    # The second line of defence: the run and the server's guardian (tasks.server._leash) both killed,
+    # as by an OOM killer, so only the run record tells the next run what to end.
+    guardians = [p for p in psutil.Process(first.pid).children(recursive=True) if p.pid not in members]
+    assert guardians
+    for p in [psutil.Process(first.pid), *guardians]:
+        p.send_signal(signal.SIGKILL)
     first.wait()
+    psutil.wait_procs(guardians, timeout=10)
+    time.sleep(1.0)
     assert pid_alive(pgid) and sorted(_group(pgid)) == sorted(members)  # the loading server lives on
 
     part.write_text(part.read_text().replace(', "--emu-load-time", "120"', ""))  # the rerun loads fast
