@@ -38,10 +38,11 @@ def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
     versions = checked_dir(root, _versions(root), create=True)
     latest = root / "latest"
     current = latest.resolve() if latest.is_symlink() else None
-    for p in versions.iterdir():
+    entries = list(versions.iterdir())
+    for p in entries:
         if p.is_symlink():  # a version is a directory datagen made; a link would be written through
             raise UnsafeFile(p, f"it is a symbolic link to {os.readlink(p)}", directory=True)
-    for d in sorted((p for p in versions.iterdir() if p.is_dir()), reverse=True):
+    for d in sorted((p for p in entries if p.is_dir()), reverse=True):
         if current is not None and d.resolve() == current:
             break  # everything older than the promoted version is history
         if not (versions / f"{d.name}.failed").exists():

@@ -56,17 +56,12 @@ class UnsafeFile(DatagenError, OSError):
 
     def __init__(self, path: Path | str, why: str, *, directory: bool = False) -> None:
         self.path = Path(path)
-        if directory:
-            super().__init__(
-                f"refusing to use {path}: {why}; datagen writes only into real directories inside the "
-                f"output (no symbolic links) owned by the user running it (uid {os.geteuid()}): remove "
-                f"or replace {path}, or choose another output"
-            )
-        else:
-            super().__init__(
-                f"refusing to write {path}: {why}; datagen writes only regular files owned by the user "
-                f"running it (uid {os.geteuid()}): remove or replace {path}, or choose another output"
-            )
+        action, only = (("use", "into real directories inside the output (no symbolic links)") if directory
+                        else ("write", "regular files"))
+        super().__init__(
+            f"refusing to {action} {path}: {why}; datagen writes only {only} owned by the user running it "
+            f"(uid {os.geteuid()}): remove or replace {path}, or choose another output"
+        )
 
 
 class WriteFailed(DatagenError, OSError):
@@ -104,29 +99,18 @@ def naming(path: Path | str) -> Iterator[None]:
         raise
 
 
-def _refusal(path: Path | str, st: os.stat_result) -> str | None:
-    """Why a file with status ``st`` must not be written, or None when it may."""
+def _refusal(path: Path | str, st: os.stat_result, *, directory: bool = False) -> str | None:
+    """Why a file (or, with ``directory``, a directory to write into) with status ``st`` must not be
+    used, or None when it may."""
     if stat.S_ISLNK(st.st_mode):
         try:
             return f"it is a symbolic link to {os.readlink(path)}"
         except OSError:
             return "it is a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it is owned by uid {st.st_uid}"
-    return None
-
-
-def _dir_refusal(path: Path, st: os.stat_result) -> str | None:
-    """Why a directory with status ``st`` must not be written into, or None when it may."""
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            return f"it is a symbolic link to {os.readlink(path)}"
-        except OSError:
-            return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
+    if directory and not stat.S_ISDIR(st.st_mode):
         return "it is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
     if st.st_uid != os.geteuid():
         return f"it is owned by uid {st.st_uid}"
     return None
@@ -170,7 +154,7 @@ def checked_dir(root: Path | str, directory: Path | str, *, create: bool = False
             with contextlib.suppress(FileExistsError):  # a concurrent creator: checked below all the same
                 os.mkdir(current)
             st = os.lstat(current)
-        why = _dir_refusal(current, st)
+        why = _refusal(current, st, directory=True)
         if why is not None:
             raise UnsafeFile(current, why, directory=True)
     return directory
