@@ -123,7 +123,10 @@ def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
     setup_prefect_env()
     with owned_api():  # no Prefect server to use: this run's own, stopped when it ends
         # Imported after setup_prefect_env and owned_api: Prefect reads its settings when imported.
+        from flows.cancel import sigterm_stops_the_run  # noqa: PLC0415
         from flows.datagen import datagen  # noqa: PLC0415
+
+        sigterm_stops_the_run("terminated (SIGTERM to datagen run)")
 
         if cfg.server_url is None:
             ensure_limits([limit_name(t) for t in cfg.targets])

@@ -5,7 +5,9 @@ artifact can use, compared by ``bench/bench_eta.py`` on long-tailed output-lengt
 - ``row_rate``: the same per row (the last, partial shard of each dataset counts for what it holds).
 - ``steady_rate``: rows committed since the first commit over the time since then, into the rows
   left: the first commit's wait (filling the pipeline) does not repeat. A shard commits when its
-  slowest row is done, so the rate already pays for the long outputs.
+  slowest row is done, so the rate already pays for the long outputs. Shards that commit close
+  together (a burst) would make that rate spike, so it counts only once the time since the first
+  commit is at least a quarter of the wait for it; before that, the rate from the start.
 - ``tail``: ``steady_rate`` plus, per dataset still to finish, a drain term: the slowest of the
   last ``concurrency`` rows outlasts an average one by the ``1 - 1/concurrency`` quantile of the
   committed rows' latencies minus their mean.
@@ -49,12 +51,20 @@ def row_rate(x: EtaInputs, latencies: Sequence[float], concurrency: int) -> floa
     return x.elapsed_s / x.rows_new * x.rows_left
 
 
-def steady_rate(x: EtaInputs, latencies: Sequence[float], concurrency: int) -> float | None:
+def rows_per_s(x: EtaInputs) -> float | None:
+    """The rate ``steady_rate`` divides the rows left by (None: no row committed yet)."""
+    if not x.rows_new:
+        return None
     since = x.elapsed_s - (x.first_s or 0.0)
     rows = x.rows_new - x.first_rows
-    if x.first_s is None or rows <= 0 or since <= 0:
-        return row_rate(x, latencies, concurrency)
-    return x.rows_left * since / rows
+    if x.first_s is None or rows <= 0 or since <= 0 or since < 0.25 * x.first_s:
+        return x.rows_new / max(x.elapsed_s, 1e-9)
+    return rows / since
+
+
+def steady_rate(x: EtaInputs, latencies: Sequence[float], concurrency: int) -> float | None:
+    rate = rows_per_s(x)
+    return None if rate is None else x.rows_left / rate
 
 
 def tail(x: EtaInputs, latencies: Sequence[float], concurrency: int) -> float | None:
@@ -96,6 +106,10 @@ class Eta:
                 j = self._rng.randrange(self._seen)
                 if j < self.sample_size:
                     self.latencies[j] = float(v)
+
+    def rate(self, x: EtaInputs) -> float | None:
+        """Rows per second as the ETA counts them: the rate the progress line shows beside it."""
+        return rows_per_s(dataclasses.replace(x, first_s=self.first_s, first_rows=self.first_rows))
 
     def remaining_s(self, x: EtaInputs) -> float | None:
         """Seconds left (None: nothing measured yet); 0 once nothing is left."""

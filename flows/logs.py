@@ -6,6 +6,13 @@
   once, by the flow run, as ``<Error>: <message>`` without a traceback: the task run's failure
   lines about it are dropped and the flow run's final state line points up to it. Any other
   exception, a bug, keeps Prefect's lines and traceback.
+- A cancelled run (flows/cancel.py: the worker announced it) is not a crash: the task run's
+  ``Crash detected! ... termination signal`` becomes one line saying the task stopped for the cancel,
+  its ``Finished in state Crashed(...)`` is dropped, and the flow run's ``Finished in state Running()``
+  (the worker, not this process, records Cancelled) says ``Finished: cancelled``. Ctrl-C, or a
+  SIGTERM to ``datagen run``, likewise: ``Crash detected! ...`` says ``stopped: interrupted (Ctrl-C)``
+  and the task runs' ``Finished in state Crashed(...)`` are dropped (the flow run's final state line,
+  Crashed in Prefect, stays).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 
+from flows.cancel import cancel_announced, declared_sigterm
 from tasks.errors import DatagenError
 
 __all__ = ["RunLogFilter", "install", "is_expected"]
@@ -41,6 +49,9 @@ class RunLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.msg if isinstance(record.msg, str) else ""
         exc = record.exc_info[1] if record.exc_info else None
+        cause = _stopped_by(msg)
+        if cause is not None:
+            return self._stopped(record, msg, cause)
         if record.name == "prefect.task_runs":
             if msg.startswith("Finished in state Completed("):
                 return False
@@ -57,6 +68,32 @@ class RunLogFilter(logging.Filter):
         if found and found.group(2) in _error_names():
             record.msg, record.args = "Finished in state %s: %s (above)", (found.group(1), found.group(2))
         return True
+
+    @staticmethod
+    def _stopped(record: logging.LogRecord, msg: str, cause: str) -> bool:
+        if msg.startswith("Crash detected! "):
+            record.msg, record.args = f"stopped: {cause}", None
+        elif msg == "Finished in state Running()":
+            record.msg, record.args = "Finished: cancelled (the worker records the Cancelled state)", None
+        else:  # Finished in state Crashed(...): the task run's is dropped, the flow run's stays
+            return record.name != "prefect.task_runs"
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _stopped_by(msg: str) -> str | None:
+    """Who stopped the run, for Prefect's lines about the signal that did (None: another line)."""
+    if not msg.startswith(("Crash detected! ", "Finished in state Crashed(", "Finished in state Running()")):
+        return None
+    if "aborted by an interrupt signal" in msg:
+        return "interrupted (Ctrl-C)"
+    if "termination signal" in msg or msg == "Finished in state Running()":
+        if cancel_announced():
+            return "the flow run was cancelled"
+        if "termination signal" in msg:
+            return declared_sigterm()
+    return None
 
 
 _FILTER = RunLogFilter()

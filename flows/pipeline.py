@@ -22,6 +22,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from flows import runrecord
+from flows.cancel import stop_cause
 from flows.context import RunContext
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
@@ -128,9 +129,16 @@ def _finish(outcome: Outcome, error: BaseException | None) -> None:
         progress.reconcile(committed(OutputDir(ctx.plan.out_dir)))
     except Exception as exc:  # the counts are for people; the run's outcome stands
         logger.warning("progress not reconciled with the output: %s", exc)
-    progress.close("failed" if error is not None else "done", name)
-    verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
-    reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""
+    cancelled = stop_cause(error, ctx.run_id)
+    if cancelled:
+        progress.close("cancelled", cancelled)
+        verdict = "CANCELLED"
+        reason = (f"{cancelled}; {progress.done_shards} of {progress.total_shards} shards were committed and are "
+                  "kept: a rerun with the same parameters resumes after them")
+    else:
+        progress.close("failed" if error is not None else "done", name)
+        verdict = "PASS" if error is None else "FAIL" if isinstance(error, ValidationFailed) else "ERROR"
+        reason = f"{name}: {str(error).splitlines()[0] if str(error) else ''}" if error is not None else ""
     gpus = fleet.gpus  # held_s: their mean time held
     summary = RunSummary.of(progress, verdict=verdict, out_dir=str(ctx.plan.out_dir), latest=outcome.latest,
                             gpus=gpus, held_s=sum(r.gpu_seconds for r in fleet.results) / gpus if ctx.launches else None,

@@ -84,7 +84,7 @@ class Progress:
     counts: dict[str, DatasetCounts] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
-    state: str = "running"  # running | done | failed
+    state: str = "running"  # running | done | failed | cancelled
     why: str = ""
     shards_new: int = 0  # committed by this run (the others were resumed)
     eta: Eta | None = None
@@ -143,15 +143,24 @@ class Progress:
     def _percent(self) -> float:
         return 100.0 * self.done_shards / self.total_shards if self.total_shards else 100.0
 
+    def _eta_inputs(self) -> EtaInputs:
+        left = [c for c in self.counts.values() if c.shards < c.shards_total]
+        return EtaInputs(elapsed_s=self.elapsed_s, rows_new=self.rows_new, shards_new=self.shards_new,
+                         shards_left=sum(c.shards_total - c.shards for c in left),
+                         rows_left=sum(max(0, c.rows_total - c.rows - c.rejects) for c in left),
+                         datasets_left=len(left))
+
     def remaining_s(self) -> float | None:
         """The ETA (flows.eta), 0 when everything is committed."""
         assert self.eta is not None
-        left = [c for c in self.counts.values() if c.shards < c.shards_total]
-        x = EtaInputs(elapsed_s=self.elapsed_s, rows_new=self.rows_new, shards_new=self.shards_new,
-                      shards_left=sum(c.shards_total - c.shards for c in left),
-                      rows_left=sum(max(0, c.rows_total - c.rows - c.rejects) for c in left),
-                      datasets_left=len(left))
-        return self.eta.remaining_s(x)
+        return self.eta.remaining_s(self._eta_inputs())
+
+    def running_rate(self) -> float:
+        """Rows per second while running: the rate the ETA divides the rows left by, so that the
+        progress line's rate and its ETA agree (flows.eta)."""
+        assert self.eta is not None
+        rate = self.eta.rate(self._eta_inputs())
+        return self.rows_new / self.elapsed_s if rate is None else rate
 
     def describe(self, dataset: str = "", shard: int | None = None) -> str:
         """The artifact's text: state, shards, rows (per dataset), rates, tokens and the ETA."""
@@ -167,10 +176,14 @@ class Progress:
         if self.state == "done":
             return (f"{self.partition}: DONE in {fmt_duration(self.elapsed_s)}: {counts}, {rate:,.1f} rows/s, "
                     f"{tokens}")
+        if self.state == "cancelled":
+            return (f"{self.partition}: CANCELLED ({self.why}) after {fmt_duration(self.elapsed_s)}: {counts} kept, "
+                    f"{tokens}; a rerun resumes after the committed shards")
         if self.state == "failed":
             why = f" ({self.why})" if self.why else ""
             return f"{self.partition}: FAILED{why} after {fmt_duration(self.elapsed_s)}: {counts}, {tokens}"
         where = f", last {dataset} shard {shard}" if dataset and shard is not None else ""
+        rate = self.running_rate()
         eta = ("all shards committed" if self.done_shards >= self.total_shards
                else f"ETA {fmt_duration(self.remaining_s())}")
         return f"{self.partition}: {counts}, {rate:,.1f} rows/s, {tokens}, {eta}{where}"
@@ -202,8 +215,9 @@ class Progress:
         self._pool.submit(ctx.run, _safe_update, update_progress_artifact, self._artifact, pct, text)
 
     def close(self, state: str = "done", why: str = "") -> None:
-        """End the progress: ``done`` (100%) or ``failed`` (``why``: e.g. the error's name), said in
-        the artifact and the log; then wait for the artifact's updates."""
+        """End the progress: ``done`` (100%), ``failed`` (``why``: e.g. the error's name) or
+        ``cancelled`` (``why``: by whom), said in the artifact and the log; then wait for the
+        artifact's updates."""
         with self._lock:
             if self.state == "running":
                 self.state, self.why, self.ended = state, why, time.monotonic()

@@ -22,7 +22,8 @@ __all__ = ["RunSummary"]
 
 @dataclass
 class RunSummary:
-    """One run's outcome and cost. ``verdict``: PASS, FAIL (validation), or ERROR (anything else)."""
+    """One run's outcome and cost. ``verdict``: PASS, FAIL (validation), CANCELLED (a person stopped
+    it: flows/cancel.py) or ERROR (anything else)."""
 
     partition: str
     verdict: str
@@ -86,8 +87,9 @@ class RunSummary:
     def headline(self) -> str:
         """One line, verdict first: the artifact's description and the run's last log line."""
         relaunch = f", {self.relaunches} relaunch{'es' if self.relaunches != 1 else ''}"
-        return (f"{self.verdict}: {self.partition}: {self.total_rows:,} rows -> {self.out_dir}"
+        line = (f"{self.verdict}: {self.partition}: {self.total_rows:,} rows -> {self.out_dir}"
                 f"{f', latest -> {self.latest}' if self.latest else ''}, {fmt_duration(self.wall_s)}{relaunch}")
+        return f"{line}; {self.reason}" if self.verdict == "CANCELLED" and self.reason else line
 
     def markdown(self) -> str:
         gpu_h = "shared server (not counted)" if self.gpu_hours is None else \

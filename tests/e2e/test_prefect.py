@@ -221,6 +221,57 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     assert {k: after[k] for k in before} == before  # committed shards were not redone
 
 
+def _artifact(api: Api, run_id: str, key_prefix: str) -> dict[str, Any]:
+    arts = api.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
+    found = [a for a in arts if (a.get("key") or "").startswith(key_prefix)]
+    assert found, [a.get("key") for a in arts]
+    return found[-1]
+
+
+def test_cancelled_run_ends_cancelled_keeps_shards_and_says_how_to_resume(stack: dict[str, Any],
+                                                                            tmp_path: Path) -> None:
+    """Issue 25 item 1: `prefect flow-run cancel` is a Cancelled run everywhere (state, logs, progress,
+    summary), never a crash; the committed shards stay, the server is stopped, and a rerun resumes."""
+    api: Api = stack["api"]
+    part = _partition(tmp_path, "cancel", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"])
+    out = tmp_path / "cancel"
+    run = api.run("datagen/demo", partition=str(part))
+    api.wait(run, {"RUNNING"}, 90)
+    deadline = time.monotonic() + 120
+    while not _committed_shards(out / "_manifest.json", "glaive_like"):
+        assert time.monotonic() < deadline, "no shard committed"
+        time.sleep(0.1)
+    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
+    server_pid = record["servers"][0]["pid"]
+    cancel = subprocess.run([PREFECT, "flow-run", "cancel", run], env=stack["env"], capture_output=True, text=True,
+                            timeout=60)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    st = api.wait(run, {"CANCELLED", "CRASHED", "FAILED", "COMPLETED"}, 90)
+    time.sleep(3)  # the last log lines travel after the state
+    logs = api.logs(run)
+    assert st["type"] == "CANCELLED", st
+    for wrong in ("Crash detected", "Crashed", "TerminationSignal", "FAILED", "ERROR", "Running()"):
+        assert wrong not in logs, (wrong, logs[-3000:])
+    assert "stopped: the flow run was cancelled" in logs and "Finished: cancelled" in logs, logs[-3000:]
+    assert not pid_alive(server_pid)
+    kept = _committed_shards(out / "_manifest.json", "glaive_like")
+    n = len(kept)
+    assert 1 <= n < 6
+    cause = "cancelled in Prefect (flow-run cancel or the UI)"
+    progress = _artifact(api, run, "datagen-progress")
+    assert progress["description"].startswith(f"cancel: CANCELLED ({cause}) after "), progress["description"]
+    assert f"{n}/6 shards" in progress["description"]
+    summary = _artifact(api, run, "run-summary")
+    assert summary["data"].startswith("# Run summary: CANCELLED"), summary["data"]
+    why = f"{cause}; {n} of 6 shards were committed and are kept: a rerun with the same parameters resumes after them"
+    assert why in summary["data"] and f"CANCELLED: cancel: {n * 50} rows -> {out}" in logs and why in logs
+    rerun = api.run("datagen/demo", partition=str(part))
+    st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
+    assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
+    after = _committed_shards(out / "_manifest.json", "glaive_like")
+    assert len(after) == 6 and {k: after[k] for k in kept} == kept
+
+
 def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[str, Any], tmp_path: Path) -> None:
     api: Api = stack["api"]
     part = _partition(tmp_path, "bad", [], sampling="max_new_tokens = 8\n")

@@ -131,7 +131,9 @@ def test_kill9_at_startup_launch_and_inference_never_blocks_the_next_run(
 def test_ctrl_c_and_sigterm_end_the_run_in_seconds_and_the_next_run_completes(
         tmp_path: Path, reap_pids: list[int]) -> None:
     ids, env, out, cmd = _slow_run(tmp_path, 100)
-    for i, (sig, code, word) in enumerate([(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]):
+    for i, (sig, code, word, cause) in enumerate([(signal.SIGINT, 130, "interrupted", "interrupted (Ctrl-C)"),
+                                                  (signal.SIGTERM, 143, "terminated",
+                                                   "terminated (SIGTERM to datagen run)")]):
         err_log = tmp_path / f"run-{i}.err"
         with open(tmp_path / f"run-{i}.log", "wb") as fh, open(err_log, "wb") as err:
             proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=fh, stderr=err, start_new_session=True)
@@ -150,6 +152,11 @@ def test_ctrl_c_and_sigterm_end_the_run_in_seconds_and_the_next_run_completes(
         assert time.monotonic() - started < 10
         stderr = err_log.read_text()
         assert stderr.splitlines()[-1] == f"datagen run: {word}"
+        # the summary's line: a person stopped it (issue 25 item 1), what is kept, how to resume
+        assert "CANCELLED: recovery: " in stderr and f"; {cause}; " in stderr, stderr[-3000:]
+        assert "shards were committed and are kept: a rerun with the same parameters resumes after them" in stderr
+        assert "ERROR: " not in stderr and "Crash detected" not in stderr
+        assert f"stopped: {cause}" in stderr
         assert "Traceback" not in stderr and "ConnectError" not in stderr
         assert _alive(family, within_s=5) == []
         assert _flow_states(tmp_path) == ["CRASHED"] * (i + 1)  # not left "Running"

@@ -122,6 +122,36 @@ def test_log_filter_drops_completed_lines_and_tells_an_expected_failure_once_wit
     assert issubclass(ServerGone, Exception) and "ServerGone" in logs._error_names()
 
 
+def test_log_filter_tells_a_cancelled_run_as_cancelled_and_a_plain_sigterm_as_the_crash_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    f = logs.RunLogFilter()
+    crash = "Crash detected! Execution was aborted by a termination signal."
+    finished = "Finished in state Crashed('Execution was aborted by a termination signal.')"
+    for announced in (False, True):
+        monkeypatch.setattr(logs, "cancel_announced", lambda announced=announced: announced)
+        r = _record("prefect.task_runs", crash)
+        assert f.filter(r)
+        assert (r.getMessage(), r.levelno) == (("stopped: the flow run was cancelled", logging.INFO) if announced
+                                               else (crash, logging.ERROR))
+        assert f.filter(_record("prefect.task_runs", finished)) is not announced
+        r = _record("prefect.flow_runs", "Finished in state Running()")
+        assert f.filter(r) and r.getMessage() == ("Finished: cancelled (the worker records the Cancelled state)"
+                                                  if announced else "Finished in state Running()")
+
+
+def test_progress_and_summary_of_a_cancelled_run_say_cancelled_what_is_kept_and_how_to_resume() -> None:
+    p = Progress(partition="demo", datasets={"a": 300}, shard_size=100, concurrency=8, logger=logging.getLogger("t"))
+    p.start({})
+    p.shard_committed(_shard("a", 0, 100))
+    p.close("cancelled", "interrupted (Ctrl-C)")
+    assert p.describe().startswith("demo: CANCELLED (interrupted (Ctrl-C)) after ")
+    assert "1/3 shards, 100/300 rows (a 100/300) kept" in p.describe() and "FAILED" not in p.describe()
+    s = _summary(verdict="CANCELLED", reason="interrupted (Ctrl-C); 1 of 3 shards were committed and are kept")
+    assert s.headline().startswith("CANCELLED: demo: 600 rows -> /o")
+    assert s.headline().endswith("; interrupted (Ctrl-C); 1 of 3 shards were committed and are kept")
+    assert s.markdown().startswith("# Run summary: CANCELLED")
+
+
 def _shard(dataset: str, shard: int, rows: int, *, tokens: int = 1000, latency: float = 0.5) -> ShardProgress:
     return ShardProgress(dataset=dataset, shard=shard, rows=rows, rows_generated=rows, rejects=0, prompt_tokens=tokens,
                          completion_tokens=2 * tokens, elapsed_s=1.0, tokens_per_s=1.0, retries=0, shards_committed=1,
@@ -156,6 +186,39 @@ def test_steady_rate_leaves_out_the_pipeline_fill_before_the_first_commit() -> N
                   first_s=10.0, first_rows=100)
     assert steady_rate(x, [], 8) == pytest.approx(4.0 * 400 / 300)
     assert row_rate(x, [], 8) == pytest.approx(14.0)
+
+
+def _line_rate_and_eta(text: str) -> tuple[float, int]:
+    import re
+    rate = float(re.search(r", ([\d.,]+) rows/s,", text).group(1).replace(",", ""))  # type: ignore[union-attr]
+    m, s = re.search(r"ETA (\d+)m(\d+)s", text).groups()  # type: ignore[union-attr]
+    return rate, int(m) * 60 + int(s)
+
+
+@pytest.mark.parametrize("commits", [
+    [(60.0, 100), (60.5, 100)],  # issue 25: two shards committed close together after a 60 s fill
+    [(30.0, 100), (30.1, 100), (30.2, 100), (31.0, 100)],
+    [(10.0, 100), (20.0, 100), (30.0, 100), (40.0, 100)],  # steady: one shard every 10 s
+])
+def test_the_progress_line_s_rate_and_its_eta_agree_when_shards_commit_in_bursts(
+        monkeypatch: pytest.MonkeyPatch, commits: list[tuple[float, int]]) -> None:
+    now = {"t": 0.0}
+    monkeypatch.setattr("flows.progress.time.monotonic", lambda: now["t"])
+    p = Progress(partition="demo", datasets={"a": 600}, shard_size=100, concurrency=32, logger=logging.getLogger("t"))
+    p.started = 0.0
+    p.start({})
+    done = 0
+    for i, (t, rows) in enumerate(commits):
+        now["t"] = t
+        p.shard_committed(_shard("a", i, rows))
+        done += rows
+        rate, eta = _line_rate_and_eta(p.describe())
+        left = 600 - done
+        # the line shows the rate to 0.1 rows/s and the ETA to the second
+        assert left / (rate + 0.05) - 1 <= eta <= left / (rate - 0.05) + 1, p.describe()
+        assert eta >= 0.5 * left / (done / t), p.describe()  # never half the time the average rate needs
+    if commits[0][0] == 60.0:
+        assert "ETA 0m00s" not in p.describe() and "ETA 0m0" not in p.describe()
 
 
 def _summary(**kw: Any) -> RunSummary:
