@@ -92,8 +92,8 @@ def gate_reported(ctx: RunContext) -> Iterator[None]:
     output's validation report, then let the failure through."""
     try:
         yield
-    except ValidationFailed:
-        validate(ctx, raise_on_failure=False)
+    except ValidationFailed as exc:
+        validate(ctx, raise_on_failure=False, stopped=exc)
         raise
 
 

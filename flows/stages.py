@@ -66,6 +66,7 @@ from tasks.server import (
 from tasks.shards import OutputDir, ShardRecord
 from tasks.targets import parse_target
 from tasks.validation import (
+    ShardValidation,
     ThresholdError,
     Thresholds,
     ValidationFailed,
@@ -74,6 +75,7 @@ from tasks.validation import (
     gate_shard,
     publish_artifacts,
     validate_output,
+    write_report,
 )
 
 __all__ = [
@@ -457,18 +459,23 @@ def _thresholds(cfg: PartitionConfig) -> Thresholds:
 
 
 @task(name="validate-output", task_run_name="validate-output", cache_policy=NONE)
-def validate(ctx: RunContext, raise_on_failure: bool = True) -> dict[str, Any]:
+def validate(ctx: RunContext, raise_on_failure: bool = True, stopped: ValidationFailed | None = None) -> dict[str, Any]:
     """Validate the whole output and publish the validation artifacts (pass or fail).
 
     Args:
         raise_on_failure: False after the shard gate already stopped the run: publish the report
             (and mark a nightly version failed) without raising again.
+        stopped: the canary's or a shard gate's failure that stopped the run: the report leads
+            with it and leaves unjudged what the stop left unfinished.
 
     Raises:
         ValidationFailed: the output fails a threshold (a nightly version is marked failed).
     """
     plan = ctx.plan
-    report = validate_output(plan.out_dir, _thresholds(ctx.cfg))
+    report = validate_output(plan.out_dir, _thresholds(ctx.cfg), write=stopped is None)
+    if stopped is not None and isinstance(stopped.report, ShardValidation):
+        report.note_stop(stopped.report, stopped.message, ctx.cfg.datasets)
+        write_report(plan.out_dir, report)
     _publish(report, ctx.cfg.name)
     try:
         write_card(plan.out_dir, report.to_dict(), title=f"{ctx.cfg.name}: {plan.out_dir.name}")

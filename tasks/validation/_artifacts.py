@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tasks.validation._results import ValidationReport, fmt_value
+from tasks.validation._results import Check, ValidationReport, measured
 
 
 def _artifact_key(prefix: str, suffix: str) -> str:
@@ -24,10 +24,11 @@ def _cell(value: Any) -> str:
 
 
 def report_table(report: ValidationReport) -> list[dict[str, Any]]:
-    """One row per dataset total check (the table artifact)."""
+    """One row per dataset total check (the table artifact): the measured value and its limit in
+    one unit (``measured``)."""
     return [
-        {"dataset": d.name, "check": c.name, "status": c.status, "value": fmt_value(c.value),
-         "threshold": "" if c.threshold is None else str(c.threshold), "rows": c.rows, "message": c.message}
+        {"dataset": d.name, "check": c.name, "status": c.status, "measured": measured(c)[0], "limit": measured(c)[1],
+         "rows": c.rows, "message": c.message}
         for d in report.datasets for c in d.checks
     ]
 
@@ -36,11 +37,20 @@ def report_markdown(report: ValidationReport) -> str:
     """Checks, rates, failing shards and a few sample rows (reasoning/content trimmed) as markdown."""
     out = [f"# Validation: {report.verdict.upper()}", "",
            f"`{report.out_dir}`: {report.rows:,} rows, validated {report.validated_at}", ""]
+    if report.stop:
+        out += [f"**Stopped by {md_text(report.stop['by'])}:** {md_text(report.stop['message'])}", ""]
+        if report.stop["checks"]:
+            out += ["| check | status | measured | limit | message |", "|---|---|---|---|---|"]
+            for c in (Check(**c) for c in report.stop["checks"]):
+                value, limit = measured(c)
+                out.append(f"| {c.name} | {c.status} | {value} | {limit} | {_cell(c.message)} |")
+            out.append("")
     for d in report.datasets:
         out += [f"## {d.name}: {d.verdict} ({d.rows:,} rows, {len(d.shards)} shards)", "",
-                "| check | status | value | threshold | message |", "|---|---|---|---|---|"]
+                "| check | status | measured | limit | message |", "|---|---|---|---|---|"]
         for c in d.checks:
-            out.append(f"| {c.name} | {c.status} | {fmt_value(c.value)} | {c.threshold} | {_cell(c.message)} |")
+            value, limit = measured(c)
+            out.append(f"| {c.name} | {c.status} | {value} | {limit} | {_cell(c.message)} |")
         bad = d.failing_shards()
         if bad:
             out += ["", "Failing shards: " + ", ".join(str(s.shard_index) for s in bad)]

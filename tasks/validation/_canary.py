@@ -34,14 +34,14 @@ def check_canary(rows: Iterable[Mapping[str, Any]], dataset: str, thresholds: Th
         rows: journal rows (``tasks.inference`` records) of one dataset.
         dataset: their dataset, for the message.
         thresholds: limits of the checks (default: ``Thresholds()``).
-        out_dir: the output directory, for the ``datagen resplit`` advice.
+        out_dir: the output directory, for the messages.
 
     Raises:
         ValidationFailed: a canary check failed; the message names the check, the rows and the fix.
     """
     thr = thresholds or Thresholds()
     table = rows_to_table(dict(r) for r in rows)
-    ctx = Context(dataset=dataset, out_dir=str(out_dir), rows_label=f"the first rows of {dataset}")
+    ctx = Context(dataset=dataset, out_dir=str(out_dir), rows_label=f"the first rows of {dataset}", committed=False)
     checks = judge_all(measure_all(table, ctx, thr, only=CANARY_CHECKS), ctx, thr)
     failed = sorted((c for c in checks if c.status == "fail" and c.count * 2 > c.rows), key=check_rank)
     if failed:

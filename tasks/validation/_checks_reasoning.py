@@ -89,7 +89,7 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
                  f"{fix_parser(', '.join(fits[:3]))}, then {resplit}")
         if parser != "none" and parser in fits:
             cause = (f"the raw output holds {end} but the split did not use it (parser {parser}, "
-                     f"think_in_prompt taken into account?); run {resplit_command(ctx, parser)}")
+                     f"think_in_prompt taken into account?); {'run ' if ctx.committed else ''}{resplit_command(ctx, parser)}")
     elif s["missing_think_in_prompt"] * 2 > bad:
         cause = (f"the prompt opens the think block (chat template) but parser is {parser} and the "
                  f"output was not treated as reasoning; {fix_parser()}, then {resplit}")
@@ -194,6 +194,6 @@ def judge_resplit(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         "resplit", "fail", bad, 0,
         f"raw does not re-split to the stored reasoning/content in {bad} of {total} checked rows of "
         f"{ctx.label} (parser {parser}, e.g. id {s['example']}): the split used other settings or raw and "
-        f"content belong to different rows; run {resplit_command(ctx)}",
+        f"content belong to different rows; {'run ' if ctx.committed else ''}{resplit_command(ctx)}",
         bad, total,
     )

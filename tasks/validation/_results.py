@@ -55,6 +55,7 @@ class Context:
     shard_index: int | None = None
     out_dir: str = "OUT"
     rows_label: str | None = None  # what the rows are, when neither a shard nor a whole dataset
+    committed: bool = True  # False: rows judged before any shard of theirs was committed (the canary)
 
     @property
     def label(self) -> str:
@@ -85,6 +86,40 @@ def fmt_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2%}" if value <= 1.0 else f"{value:.2f}"
     return "" if value is None else str(value)
+
+
+# What a rate check's value counts (a share of rows), and what a count check's value counts.
+RATE_OF = {"reasoning_present": "without reasoning", "tag_leak": "with tags left", "empty_content": "empty",
+           "truncation": "truncated", "finish_reason": "aborted", "volume": "rejected",
+           "token_counts": "inconsistent"}
+COUNT_OF = {"unique_ids": "duplicate rows", "resplit": "rows differ", "finish_reason": "aborted rows"}
+
+
+def _percent(rate: float) -> str:
+    return f"{rate * 100:.3g}%"
+
+
+def measured(c: Check) -> tuple[str, str]:
+    """A check's value and limit for people, in one unit and saying what they count: ``0.00%
+    without reasoning`` / ``at most 5%``; ``3 of 3 shards``; ``5.24 chars/token`` / ``0.25-16``.
+    Checks whose value is a yes/no (schema, fingerprint, provenance) leave both to the message."""
+    v, t = c.value, c.threshold
+    if v is None:
+        return "", ""
+    if c.name == "token_counts":
+        return f"{float(v):.2f} chars/token", f"{t} chars/token" if t is not None else ""
+    if isinstance(v, float) and c.name in RATE_OF:
+        limit = f"at most {_percent(float(t))}" if isinstance(t, (int, float)) and not isinstance(t, bool) else ""
+        return f"{_percent(v)} {RATE_OF[c.name]}", limit
+    if c.name == "volume":  # a count of rows against min_rows
+        return f"{v:,} rows", f"at least {t:,} rows" if isinstance(t, int) else ""
+    if c.name == "complete":
+        if isinstance(t, int) and t:
+            return f"{v} of {t} shards", ""
+        return (f"{v} shards" if t is None else f"{v} rows missing" if v else "none missing"), ""
+    if c.name in COUNT_OF and isinstance(v, int):
+        return (f"{v:,} {COUNT_OF[c.name]}" if v else "none"), ""
+    return "", ""
 
 
 def _now() -> str:
@@ -165,10 +200,31 @@ class ValidationReport:
     validated_at: str = field(default_factory=_now)
     elapsed_s: float = 0.0
     samples: list[dict[str, Any]] = field(default_factory=list)
+    stop: dict[str, Any] | None = None  # what stopped the run before it finished (``note_stop``)
 
     @property
     def verdict(self) -> str:
-        return verdict_of(self.all_checks())
+        return verdict_of([*self.all_checks(), *(Check(**c) for c in (self.stop or {}).get("checks", []))])
+
+    def note_stop(self, stopped: ShardValidation, message: str, datasets: Iterable[str] = ()) -> None:
+        """The run was stopped by the canary (``stopped.shard_index == -1``) or a shard's gate: say so
+        first, with the checks that stopped it, and judge neither ``complete`` nor ``volume`` of the
+        datasets the stop left unfinished (a "finish the run" or "check the input" would mislead);
+        ``datasets``: all of the run's, so that one never started is listed too."""
+        by = ("the canary on the first rows of " if stopped.shard_index < 0 else
+              f"the gate of shard {stopped.shard_index} of ") + stopped.dataset
+        self.stop = {"by": by, "dataset": stopped.dataset, "shard": stopped.shard_index, "message": message,
+                     "checks": [c.to_dict() for c in stopped.checks] if stopped.shard_index < 0 else []}
+        known = {d.name for d in self.datasets}
+        for name in datasets:
+            if name not in known:
+                self.datasets.append(DatasetValidation(name, 0, [], []))
+        for d in self.datasets:
+            d.checks = [Check(c.name, "unknown", None, None, f"not judged: {by} stopped the run first", 0, c.rows)
+                        if c.name in ("complete", "volume") and c.status == "fail" else c for c in d.checks]
+            if not d.checks and not d.shards:
+                d.checks = [Check("complete", "unknown", None, None,
+                                  f"not started: {by} stopped the run first")]
 
     @property
     def ok(self) -> bool:
@@ -193,16 +249,22 @@ class ValidationReport:
             "thresholds": self.thresholds.to_dict(),
             "datasets": {d.name: d.to_dict() for d in self.datasets},
             "samples": self.samples,
+            **({"stop": self.stop} if self.stop else {}),
         }
 
     def summary(self) -> str:
         """A readable terminal summary: the verdict, each dataset's totals, failing shards."""
         lines = [f"validation of {self.out_dir}: {self.verdict.upper()} ({self.rows:,} rows, {self.elapsed_s:.2f} s)"]
+        if self.stop:
+            lines.append(f"  STOPPED by {self.stop['by']}: {self.stop['message']}")
+            lines += [f"    {_MARK[c['status']]} {c['name']:<18} {measured(Check(**c))[0]:<36} {c['message']}"
+                      for c in self.stop["checks"]]
         for d in self.datasets:
             lines.append(f"  {d.name}: {d.verdict} - {d.rows:,} rows in {len(d.shards)} shards")
             for c in d.checks:
-                value = fmt_value(c.value)
-                lines.append(f"    {_MARK[c.status]} {c.name:<18} {value:>9}  {c.message}")
+                value, limit = measured(c)
+                shown = f"{value} ({limit})" if limit else value
+                lines.append(f"    {_MARK[c.status]} {c.name:<18} {shown:<36} {c.message}")
             bad = d.failing_shards()
             for s in bad[:MAX_EXAMPLES]:
                 first = s.failed()[0]

@@ -204,7 +204,10 @@ def example_note(s: Stats) -> str:
 
 
 def resplit_command(ctx: Context, parser: str = "NAME") -> str:
-    """The command that re-splits the output (the user picks the parser NAME unless it is known)."""
+    """The command that re-splits the output (the user picks the parser NAME unless it is known);
+    for rows not committed yet (the canary), to run again: there is nothing to re-split."""
+    if not ctx.committed:
+        return f"run again (nothing of {ctx.dataset} was committed, so nothing needs re-splitting)"
     out_dir = ctx.out_dir if " " not in ctx.out_dir else f"'{ctx.out_dir}'"
     return f"`datagen resplit {out_dir} --parser {parser}`"
 

@@ -28,7 +28,7 @@ class Thresholds:
     concurrency) are checked as they arrive, before any shard commits (0: no canary; ``check_canary``).
     """
 
-    reasoning_missing_max_rate: float = 0.5
+    reasoning_missing_max_rate: float = 0.05
     reasoning_missing_warn_rate: float = 0.02
     tag_leak_max_rate: float = 0.01
     empty_content_max_rate: float = 0.2

@@ -60,8 +60,26 @@ def test_empty_reasoning_bug_stops_before_twice_the_concurrency(tmp_path: Path, 
         r"format but parser is mistral; fix the reasoning parser \(one of deepseek-r1, qwen3, qwen3-thinking; "
         + re.escape("set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] "
                     "reasoning_parser in the partition") + r"\), then "
-        + re.escape(f"`datagen resplit {out} --parser NAME` (also failing: tag_leak); stopped by the canary on the "
-                    "first rows ([validation] canary_rows)\n"), run.stderr), run.stderr[-3000:]
+        + re.escape("run again (nothing of prompts was committed, so nothing needs re-splitting) (also failing: "
+                    "tag_leak); stopped by the canary on the first rows ([validation] canary_rows)\n"), run.stderr), \
+        run.stderr[-3000:]
+    assert "resplit" not in run.stderr  # nothing was committed: nothing to re-split (issue 25 item 2)
+    # The validation report leads with the stop and its checks, and judges neither `complete` nor
+    # `volume` of what the stop left unfinished ("finish the run", "check the input" would mislead).
+    summary = run.stderr[run.stderr.index(f"validation of {out}: FAIL"):]
+    lines = summary.splitlines()
+    assert lines[1].startswith("  STOPPED by the canary on the first rows of prompts: reasoning empty in 100% of 32 "
+                               "rows"), lines[:3]
+    assert re.match(r"    FAIL reasoning_present  100% without reasoning +reasoning empty in 100% of 32 rows",
+                    lines[2]), lines[2]
+    assert re.match(r"    FAIL tag_leak +100% with tags left", lines[3]) and lines[4].startswith("    ok   empty_content")
+    assert lines[5] == "  prompts: warn - 0 rows in 0 shards"
+    for line, check in zip(lines[6:8], ("complete", "volume"), strict=True):
+        assert re.match(rf"    \?\?   {check} +not judged: the canary on the first rows of prompts stopped the run "
+                        r"first$", line), line
+    report = json.loads((out / "_validation.json").read_text())
+    assert report["verdict"] == "fail" and report["stop"]["by"] == "the canary on the first rows of prompts"
+    assert [c["name"] for c in report["stop"]["checks"]] == ["reasoning_present", "tag_leak", "empty_content"]
     assert OutputDir(out).committed_indices("prompts") == set()
     assert OutputDir(out).lock_holder() is None
 

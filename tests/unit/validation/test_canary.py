@@ -34,8 +34,8 @@ def test_wrong_parser_stops_with_the_shard_gate_message_style() -> None:
     assert info.value.message == (
         "reasoning empty in 100% of 32 rows of the first rows of prompts (e.g. id prompts-000000): the prompt "
         "opens the think block (chat template) and the raw output uses the <think>…</think> format but parser "
-        "is mistral; fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit "
-        "/data/out --parser NAME` (also failing: tag_leak); stopped by the canary on the first rows "
+        "is mistral; fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then run again "
+        "(nothing of prompts was committed, so nothing needs re-splitting) (also failing: tag_leak); stopped by the canary on the first rows "
         "([validation] canary_rows)"
     )
     assert info.value.report.rows == N
@@ -57,7 +57,7 @@ def test_a_good_start_with_some_short_and_odd_rows_is_not_stopped() -> None:
     for i in (5, 17, 30):  # a second think block: the tag stays in content
         rows[i] = make_row("prompts", i, raw="<think>a</think>b<think>c</think>The answer is 4.")
     checks = {c.name: c.status for c in check_canary(rows, "prompts")}
-    assert checks == {"reasoning_present": "warn", "tag_leak": "fail", "empty_content": "pass"}
+    assert checks == {"reasoning_present": "fail", "tag_leak": "fail", "empty_content": "pass"}
     # The shard gate's rates would fail these 32 rows: the canary leaves a minority to the shard gate.
     shard = {c.name: c.status for c in validate_table(rows_to_table(rows))}
     assert shard["tag_leak"] == "fail"
