@@ -4,7 +4,8 @@
   flow run's own final line stays).
 - An expected failure, a ``DatagenError`` (classified: a retry decision and an exit code), is told
   once, by the flow run, as ``<Error>: <message>`` without a traceback: the task run's failure
-  lines about it are dropped and the flow run's final state line points up to it. Any other
+  lines about it are dropped, the flow run's final state line points up to it, and the engine's
+  ``Engine execution exited with unexpected exception`` (a worker's flow-run process) is dropped. Any other
   exception, a bug, keeps Prefect's lines and traceback.
 - A cancelled run (flows/cancel.py: the worker announced it) is not a crash: the task run's
   ``Crash detected! ... termination signal`` becomes one line saying the task stopped for the cancel,
@@ -59,6 +60,8 @@ class RunLogFilter(logging.Filter):
                 return False  # "Task run failed with exception": the flow run tells it
             found = _TASK_FAILED.search(msg) if msg.startswith("Finished in state ") else None
             return not (found and found.group(1) in _error_names())
+        if is_expected(exc) and msg == "Engine execution exited with unexpected exception":
+            return False  # the worker's flow-run process: told above, its traceback is noise
         if is_expected(exc) and msg.startswith("Encountered exception during execution"):
             assert exc is not None
             record.msg, record.args = "%s: %s", (type(exc).__name__, exc)

@@ -291,6 +291,13 @@ def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[
     assert all(not pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "bad" / "_sim-gpus.json").snapshot()["gpus"])
     assert os.path.exists(tmp_path / "bad" / "_validation.json")
+    # The worker's own output tells the failure in one line, no traceback (issue 25 item 3).
+    deadline = time.monotonic() + 30
+    worker_log = stack["base"] / "run" / "worker.log"
+    while f"flow run '{run}'" not in (text := worker_log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    mine = text[text.index(f"submitting flow run '{run}'"):]
+    assert "Traceback" not in mine and "unexpected exception" not in mine, mine[-4000:]
 
 
 def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):

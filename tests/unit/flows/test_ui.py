@@ -116,9 +116,11 @@ def test_log_filter_drops_completed_lines_and_tells_an_expected_failure_once_wit
     final = _record("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: "
                                          "ServerGone: long text')")
     assert f.filter(final) and final.getMessage() == "Finished in state Failed: ServerGone (above)"
+    assert not f.filter(_record("prefect.flow_runs", "Engine execution exited with unexpected exception", gone))
     bug = _raised(KeyError("x"))
     assert f.filter(r := _record("prefect.task_runs", "Task run failed with exception: KeyError", bug))
     assert r.exc_info is not None  # a bug keeps its traceback
+    assert f.filter(_record("prefect.flow_runs", "Engine execution exited with unexpected exception", bug))
     assert issubclass(ServerGone, Exception) and "ServerGone" in logs._error_names()
 
 
