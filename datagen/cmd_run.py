@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -170,15 +171,21 @@ def failure_label(result: Any, failed: str) -> str:
     return "configuration error" if isinstance(result, ConfigError) else failed
 
 
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "demo"
+
+
 @reports_errors("datagen run")
 def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):
         return args
     if args.partition is None and args.inputs and not (args.model_path or args.server_url):
-        print("datagen run: an --input run without --partition needs --model-path DIR (the model to "
-              "launch) or --server-url URL (a running server)", file=sys.stderr)
-        return EXIT_USAGE
+        if args.backend != "emulator":
+            print("datagen run: an --input run without --partition needs --model-path DIR (the model to "
+                  "launch), --server-url URL (a running server) or --backend emulator (the bundled demo "
+                  "model on the emulator)", file=sys.stderr)
+            return EXIT_USAGE
+        args.model_path = str(DEMO_MODEL)  # the emulator serves the bundled demo model
     code, result = run_flow(partition_of(args), overrides_of(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")

@@ -16,6 +16,13 @@ from __future__ import annotations
 import logging
 import signal
 
+from prefect.client.orchestration import get_client
+
+try:
+    from prefect._internal.control_listener import get_intent
+except ImportError:  # another Prefect: the API state still tells it
+    get_intent = None  # type: ignore[assignment]
+
 __all__ = ["cancel_announced", "declared_sigterm", "sigterm_stops_the_run", "stop_cause"]
 
 _LOG = logging.getLogger(__name__)
@@ -34,19 +41,13 @@ def declared_sigterm() -> str | None:
 
 def cancel_announced() -> bool:
     """Whether Prefect's worker told this process, before its SIGTERM, that the run is cancelled."""
-    try:
-        from prefect._internal.control_listener import get_intent
-    except ImportError:  # another Prefect: the API state still tells it
-        return False
-    return get_intent() == "cancel"
+    return get_intent is not None and get_intent() == "cancel"
 
 
 def _state_is_cancel(run_id: str | None) -> bool:
     if not run_id:
         return False
     try:
-        from prefect.client.orchestration import get_client
-
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(run_id).state  # type: ignore[arg-type]
     except Exception as exc:  # the API gone: the SIGTERM stays a crash

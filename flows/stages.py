@@ -41,10 +41,10 @@ from flows.progress import Progress, artifact_key
 from flows.retry import retry_launch, retry_transient
 from flows.versions import choose_version, mark_failed, promote_latest
 from tasks.card import write_card
-from tasks.config import ConfigError, Overrides, PartitionConfig, load_partition
+from tasks.config import ConfigError, Overrides, PartitionConfig, SimGpuSettings, load_partition
 from tasks.files import checked_dir
 from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE, sim_gpu_backend
-from tasks.hygiene import GpusNotClean, clean_gpus
+from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
 from tasks.inference import (
     DatasetSpec,
     Endpoint,
@@ -203,12 +203,13 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
 
 
 def _sim_gpus(cfg: PartitionConfig, root: Path) -> str | None:
-    """The simulated GPUs of the run: those already set in the environment, else an emulator
-    partition's ``[sim_gpus]`` under the output root, else none."""
+    """The simulated GPUs of the run: those already set in the environment, else, for the emulator
+    backend, the partition's ``[sim_gpus]`` (its defaults when the table is absent: the emulator
+    never uses a real GPU) under the output root; else none."""
     current = os.environ.get(SIM_GPUS_ENV)
-    if current or cfg.server.launch.backend != "emulator" or cfg.sim_gpus is None:
+    if current or cfg.server.launch.backend != "emulator":
         return current or None
-    s = cfg.sim_gpus
+    s = cfg.sim_gpus or SimGpuSettings()
     try:
         backend = sim_gpu_backend()
     except LookupError as exc:
@@ -225,6 +226,7 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
     are spared and listed so.
 
     Raises:
+        NoGpus: no GPU can be read on the target (not retried: the message says what to run instead).
         GpusNotClean: not verified clean (retried).
     """
     report = clean_gpus(target=ctx.target, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
@@ -235,6 +237,13 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
     _markdown(f"# GPU hygiene ({phase}) on `{ctx.host}`\n\nverdict: **{verdict}**\n\n```\n{summary}\n```\n",
               key=artifact_key("hygiene", phase, ctx.cfg.name, ctx.host),
               description=f"{verdict}: hygiene {phase} on {ctx.host} {gpu_label(ctx.gpus)}")
+    if report.backend == "none":
+        emulator = ctx.cfg.server.launch.backend == "emulator"
+        raise NoGpus(f"no GPU can be read on {ctx.host} ({report.error}); "
+                     + ("set [sim_gpus] in the partition or DATAGEN_SIM_GPUS to simulated GPUs for the emulator"
+                        if emulator else
+                        "on a machine without GPUs try the pipeline on the emulator: add --backend emulator "
+                        "(simulated GPUs are created under the output)"), report)
     if not report.clean:
         raise GpusNotClean(f"GPUs on {ctx.host} not verified clean ({report.verdict}):\n{summary}")
     return report.to_dict()

@@ -9,6 +9,7 @@ Each family lives with the code that raises it and keeps the built-in base its c
     ├── TargetUnreachable (ConnectionError)   yes     tasks.targets
     ├── ProbeFailed (RuntimeError)            yes     tasks.hygiene
     ├── GpusNotClean (RuntimeError)           yes     tasks.hygiene (the driver releases memory late)
+    │   └── NoGpus                            no      (no driver and no simulated GPUs on the target)
     ├── ServerError (RuntimeError)            no      tasks.server
     │   ├── ServerConfigError (ValueError)    no
     │   ├── LaunchFailed                      unless failure.kind is bad_flag, model_not_found, host_memory

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_THRESHOLD_MIB",
     "GpuFinding",
     "GpusNotClean",
+    "NoGpus",
     "HygieneReport",
     "ProbeFailed",
     "ProcessFinding",
@@ -66,6 +67,13 @@ class GpusNotClean(DatagenError, RuntimeError):
     def __init__(self, message: str, report: HygieneReport | None = None) -> None:
         self.report = report
         super().__init__(message)
+
+
+class NoGpus(GpusNotClean):
+    """No GPU can be read on the target at all (no NVIDIA driver, no simulated GPUs): retrying the
+    same step cannot help; the message says how to run on such a machine."""
+
+    retryable = False
 
 
 @dataclass

@@ -140,7 +140,8 @@ PARTITION = RunSetting(
 RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("inputs", str, "Ad-hoc dataset files (JSONL or Parquet) replacing the partition's [datasets]; "
                "each is named after its file.", "", many=True, flag="--input", metavar="PATH"),
-    RunSetting("model_path", str, "Model directory on the server's host.", "[model] path", metavar="DIR"),
+    RunSetting("model_path", str, "Model directory on the server's host (an --input run on the emulator: the "
+               "bundled demo model when not given).", "[model] path", metavar="DIR"),
     RunSetting("out", str, "Output directory, used as is: no nightly versioning.", "[output] root", metavar="DIR"),
     RunSetting("backend", str, "Server backend: sglang, or the emulator (no GPU).", "[server] backend",
                check=_choice(BACKENDS), choices=BACKENDS),

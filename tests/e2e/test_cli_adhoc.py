@@ -38,3 +38,40 @@ def test_input_run_on_a_two_gpu_host_completes_on_one_gpu(tmp_path: Path) -> Non
     assert card.startswith("---\nconfigs:\n") and "| `prompts` | 12 | 0 | 1 of 1 |" in card
     run_ids = pq.read_table(list(OutputDir(out).committed_shards("prompts"))[0].path, columns=["run_id"]).column(0)
     assert len(set(run_ids.to_pylist())) == 1 and f"- run_id: `{run_ids[0]}` (12 rows)" in card
+
+
+def _prompts(tmp: Path, n: int) -> Path:
+    inp = tmp / "my.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Q{i}?"}]}) + "\n"
+                           for i in range(n)))
+    return inp
+
+
+def test_own_prompts_on_the_emulator_need_no_simulated_gpus_set_up(tmp_path: Path) -> None:
+    """Issue 25 item 6: the README's way to try one's own prompts; DATAGEN_SIM_GPUS unset, no [sim_gpus]."""
+    env = cli_env(tmp_path, tmp_path / "unused")
+    env.pop("DATAGEN_SIM_GPUS")
+    out = tmp_path / "X"
+    res = subprocess.run([DATAGEN, "run", "--input", str(_prompts(tmp_path, 10)), "--backend", "emulator",
+                          "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"completed: 10 rows in {out}" in res.stdout
+    assert "GpusNotClean" not in res.stderr and "Retrying" not in res.stderr
+    assert [g["used_mib"] for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"]] == [0] * 8
+
+
+def test_a_machine_without_gpus_is_told_once_how_to_run_instead_not_retried(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, tmp_path / "unused")
+    env.pop("DATAGEN_SIM_GPUS")
+    out = tmp_path / "X"
+    res = subprocess.run([DATAGEN, "run", "--input", str(_prompts(tmp_path, 4)), "--model-path",
+                          str(REPO_ROOT / "data/models/demo"), "--out", str(out)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=400, stdin=subprocess.DEVNULL)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("datagen run: run failed: no GPU can be read on "), last
+    assert last.endswith("on a machine without GPUs try the pipeline on the emulator: add --backend emulator "
+                         "(simulated GPUs are created under the output)"), last
+    assert "Retrying" not in res.stderr and res.stderr.count("hygiene before-launch") == 1
+    assert not list(out.glob("*/shard-*.parquet"))

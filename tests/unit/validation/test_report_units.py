@@ -4,7 +4,6 @@ reasoning."""
 
 from __future__ import annotations
 
-
 from tasks.config import load_partition
 from tasks.shards import rows_to_table
 from tasks.validation import Thresholds, validate_table
