@@ -11,8 +11,7 @@ the hygiene scope: docs/architecture.md.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from pathlib import Path
+from datetime import datetime
 from typing import Any
 
 from prefect import flow
@@ -23,6 +22,7 @@ from flows import logs
 from flows.context import RunContext, unlinked
 from flows.fleet import Fleet
 from flows.hooks import cleanup_hook
+from flows.names import run_name
 from flows.params import declared
 from flows.pipeline import Outcome, gate_reported, gpu_hosts, opened_output, progress_of, published
 from flows.stages import infer_dataset, load_config, open_datasets, prepare_run, promote, validate
@@ -34,15 +34,17 @@ logs.install()
 
 
 def flow_run_name() -> str:
-    """``<partition>-<YYYY-MM-DD>-<HHMM>`` (UTC, the scheduled start): the run list says what ran when."""
-    partition = str(flow_run.parameters.get("partition") or "all")
-    if partition.endswith(".toml"):
-        partition = Path(partition).stem
+    """A person's name for the run as given, else ``<partition>[-<output>]-<YYYY-MM-DD>-<HHMM>``
+    (UTC, the scheduled start): the run list says what ran where and when (flows/names.py)."""
     try:
-        when = flow_run.scheduled_start_time.astimezone(UTC)
+        when: datetime | None = flow_run.scheduled_start_time
     except Exception:  # outside a run, or no time recorded: now
-        when = datetime.now(UTC)
-    return f"{partition}-{when:%Y-%m-%d-%H%M}"
+        when = None
+    try:
+        current = flow_run.name
+    except Exception:
+        current = None
+    return run_name(current, dict(flow_run.parameters or {}), when)
 
 
 @flow(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -265,9 +266,12 @@ def test_cancelled_run_ends_cancelled_keeps_shards_and_says_how_to_resume(stack:
     assert summary["data"].startswith("# Run summary: CANCELLED"), summary["data"]
     why = f"{cause}; {n} of 6 shards were committed and are kept: a rerun with the same parameters resumes after them"
     assert why in summary["data"] and f"CANCELLED: cancel: {n * 50} rows -> {out}" in logs and why in logs
-    rerun = api.run("datagen/demo", partition=str(part))
+    # A name a person gives the run is kept (issue 25 item 7); Prefect's made-up one is replaced.
+    assert re.fullmatch(r"cancel-\d{4}-\d\d-\d\d-\d{4}", api.http.get(f"/flow_runs/{run}").json()["name"])
+    rerun = api.run("datagen/demo", name="my-parser-experiment", partition=str(part))
     st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
     assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
+    assert api.http.get(f"/flow_runs/{rerun}").json()["name"] == "my-parser-experiment"
     after = _committed_shards(out / "_manifest.json", "glaive_like")
     assert len(after) == 6 and {k: after[k] for k in kept} == kept
 

@@ -79,11 +79,12 @@ class PrefectApi:
     def __init__(self, url: str) -> None:
         self.http = httpx.Client(base_url=url, timeout=30)
 
-    def run(self, deployment: str, **params: Any) -> str:
+    def run(self, deployment: str, name: str | None = None, **params: Any) -> str:
         dep = self.http.get(f"/deployments/name/{deployment}").raise_for_status().json()
         deadline = time.monotonic() + 30
+        body: dict[str, Any] = {"parameters": params, **({"name": name} if name else {})}
         while True:  # SQLite under a loaded machine answers 503 now and then
-            fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
+            fr = self.http.post(f"/deployments/{dep['id']}/create_flow_run", json=body)
             if fr.status_code != 503 or time.monotonic() > deadline:
                 return str(fr.raise_for_status().json()["id"])
             time.sleep(0.5)

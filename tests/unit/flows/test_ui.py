@@ -84,6 +84,25 @@ def test_flow_run_name_is_partition_and_scheduled_date(monkeypatch: pytest.Monke
     monkeypatch.setitem(flow_run.FIELDS, "parameters", lambda: {"partition": "/x/nightly.toml"})
     monkeypatch.setitem(flow_run.FIELDS, "scheduled_start_time", lambda: when)
     assert flow_run_name() == "nightly-2026-03-04-0200"
+    monkeypatch.setitem(flow_run.FIELDS, "name", lambda: "mustard-seal")  # Prefect's made-up name
+    assert flow_run_name() == "nightly-2026-03-04-0200"
+    monkeypatch.setitem(flow_run.FIELDS, "name", lambda: "my-parser-experiment")  # a person's
+    assert flow_run_name() == "my-parser-experiment"
+
+
+def test_generated_run_names_carry_the_output_and_a_person_s_name_is_kept() -> None:
+    from prefect.utilities.names import generate_slug
+
+    from flows.names import is_generated, run_name
+
+    assert all(is_generated(generate_slug(2)) for _ in range(500))
+    assert not any(is_generated(n) for n in ("my-parser-experiment", "parser-test", "nightly", "qwen3-run2"))
+    when = datetime(2026, 12, 2, 2, 59, tzinfo=UTC)
+    assert run_name("calm-otter", {"partition": "demo"}, when) == "demo-2026-12-02-0259"
+    assert run_name("calm-otter", {"partition": "demo", "out": "/data/x/parser-b"}, when) == \
+        "demo-parser-b-2026-12-02-0259"
+    assert run_name("calm-otter", {"out": "/o/a b"}, when) == "all-a-b-2026-12-02-0259"
+    assert run_name("my-parser-experiment", {"partition": "demo"}, when) == "my-parser-experiment"
 
 
 def test_gpu_labels() -> None:
