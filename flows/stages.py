@@ -487,7 +487,8 @@ def validate(ctx: RunContext, raise_on_failure: bool = True, stopped: Validation
         write_report(plan.out_dir, report)
     _publish(report, ctx.cfg.name)
     try:
-        write_card(plan.out_dir, report.to_dict(), title=f"{ctx.cfg.name}: {plan.out_dir.name}")
+        name = plan.out_dir.name
+        write_card(plan.out_dir, report.to_dict(), title=ctx.cfg.name if name == ctx.cfg.name else f"{ctx.cfg.name}: {name}")
     except (OSError, ValueError) as exc:  # the card describes the output; its rows are what matters
         get_run_logger().warning("dataset card not written: %s", exc)
     summary = report.summary()

@@ -20,8 +20,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tasks.files import atomic_write_bytes
-from tasks.schema import ROW_SCHEMA
+from tasks.schema import COLUMN_DOCS, ROW_SCHEMA
 from tasks.shards import OutputDir
+from tasks.validation import Check, md_text, measured
 
 __all__ = ["CARD_NAME", "card_text", "hf_features", "write_card"]
 
@@ -84,6 +85,12 @@ def _scalar(v: Any) -> str:
     if isinstance(v, Mapping | list):  # empty
         return "{}" if isinstance(v, Mapping) else "[]"
     return json.dumps(str(v), ensure_ascii=False)
+
+
+def _public(value: str) -> str:
+    """A provenance value as the card shows it: a host path (``/data/models/x``) becomes its last
+    component, since the card is published and the path says nothing to its readers."""
+    return Path(value).name or value if value.startswith("/") else value
 
 
 def _shard_files(out: Path, name: str, entry: Mapping[str, Any]) -> list[Path]:
@@ -207,8 +214,28 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
               "input id is stored exactly once), and validated each shard as it committed and the whole "
               "output at the end. Input rows that could not be used are listed with their reason in "
               "`_rejects/<dataset>.jsonl`.", "",
-              "Columns: " + ", ".join(f"`{f.name}`" for f in ROW_SCHEMA) + ".", ""]
+              "`reasoning` and `content` are `raw` split at the reasoning parser's end tag with nothing "
+              "stripped: newlines are kept, including those that open `reasoning` and the blank line "
+              "after `</think>` that opens `content` (trim them if your trainer expects trimmed text).", "",
+              "## Columns", "", "| column | type | holds |", "|---|---|---|",
+              *(f"| `{f.name}` | `{_type_name(f.type)}` | {COLUMN_DOCS[f.name]} |" for f in ROW_SCHEMA), ""]
     return "\n".join(lines)
+
+
+def _measured(c: Mapping[str, Any]) -> tuple[str, str]:
+    try:
+        return measured(Check(str(c.get("name")), str(c.get("status")), c.get("value"), c.get("threshold"),
+                              str(c.get("message", ""))))
+    except (TypeError, ValueError):  # a report written by another version
+        return str(c.get("value", "")), ""
+
+
+def _type_name(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        inner = t.value_type
+        names = ", ".join(f.name for f in inner) if pa.types.is_struct(inner) else str(inner)
+        return f"list<struct<{names}>>" if pa.types.is_struct(inner) else f"list<{names}>"
+    return "timestamp (UTC)" if pa.types.is_timestamp(t) else str(t)
 
 
 def _how_served(served: Mapping[str, int]) -> str:
@@ -227,13 +254,14 @@ def _how_served(served: Mapping[str, int]) -> str:
 
 def _dataset_section(name: str, entry: Mapping[str, Any], values: Mapping[str, Counter[str]],
                      checks: list[Mapping[str, Any]]) -> list[str]:
-    lines = [f"## `{name}`", "", f"- input: `{entry.get('input')}` ({entry.get('input_fingerprint')}), "
+    source = Path(str(entry.get("input") or "?")).name
+    lines = [f"## `{name}`", "", f"- input: `{source}` (sha256 {entry.get('input_fingerprint')}), "
              f"{entry.get('total_rows', '?')} records"]
     for col in _PROVENANCE:
         seen = values.get(col) or Counter()
         if not seen:
             continue
-        shown = ", ".join(f"`{v}` ({n:,} rows)" for v, n in seen.most_common(5))
+        shown = ", ".join(f"`{_public(v)}` ({n:,} rows)" for v, n in seen.most_common(5))
         more = f" and {len(seen) - 5} more" if len(seen) > 5 else ""
         lines.append(f"- {col}: {shown}{more}")
     attempts = entry.get("attempts")
@@ -241,10 +269,11 @@ def _dataset_section(name: str, entry: Mapping[str, Any], values: Mapping[str, C
         lines.append("- runs (calls per run): " + ", ".join(f"`{k}` ({v})" for k, v in attempts.items()))
     lines.append("")
     if checks:
-        lines += ["| check | status | value | message |", "|---|---|---|---|"]
+        lines += ["| check | status | measured | limit | message |", "|---|---|---|---|---|"]
         for c in checks:
-            message = str(c.get("message", "")).replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {c.get('name')} | {c.get('status')} | {c.get('value')} | {message} |")
+            message = md_text(c.get("message", "")).replace("|", "\\|").replace("\n", " ")
+            value, limit = _measured(c)
+            lines.append(f"| {c.get('name')} | {c.get('status')} | {value} | {limit} | {message} |")
         lines.append("")
     return lines
 

@@ -63,6 +63,40 @@ ROW_SCHEMA = pa.schema(
     ]
 )
 
+# What each column holds: the dataset card lists it (tasks/card.py); docs/output.md tells more.
+COLUMN_DOCS: dict[str, str] = {
+    "id": "stable prompt id (the input's `id`, else derived from the row)",
+    "dataset": "the dataset (config) the row belongs to",
+    "messages": "the input conversation",
+    "prompt": "the exact text sent to SGLang's `/generate` (chat template applied)",
+    "raw": "the exact text the model returned, reasoning included",
+    "reasoning": "the reasoning part of `raw` (null when there is none), newlines kept",
+    "content": "the answer part of `raw`, newlines kept",
+    "finish_reason": "stop, length (hit `max_new_tokens`) or abort",
+    "prompt_tokens": "tokens of `prompt`, as the server counted them",
+    "completion_tokens": "tokens of `raw`, as the server counted them",
+    "model": "the model (its directory's name on the server)",
+    "sampling": "JSON of the configured sampling parameters",
+    "server": "fingerprint of the server launch (engine, flags)",
+    "reasoning_parser": "the parser that split `raw` (null: none)",
+    "think_in_prompt": "the chat template opened the think block in `prompt`",
+    "generated_at": "when the answer arrived",
+    "latency_s": "seconds from request to answer",
+    "max_new_tokens": "the budget sent (null: the server's default)",
+    "budget_capped": "the budget was lowered so that prompt + budget fit the model's context",
+    "truncation_retries": "times the row was generated again with a larger budget after a length finish",
+    "truncation_policy": "JSON of `[run.truncation]` (null: off)",
+    "model_revision": "`sha256:` of the model's config and weights index (null: unknown)",
+    "engine": "sglang or emulator",
+    "engine_version": "the server's `/server_info` version",
+    "chat_template_hash": "`sha256:` of the chat template (null: prompt given pre-rendered)",
+    "run_id": "the Prefect flow run that made the row",
+    "attempt": "1-based call of that run on the dataset (a retry or relaunch is the next)",
+    "sample": "0-based sample of the prompt; `(id, sample)` is the row's key",
+    "sampling_seed": "the seed sent (null: none)",
+    "turns": "earlier assistant turns generated again (`regenerate = \"all\"`; null: last turn only)",
+}
+
 # What a row written before a column existed holds in it: the budget it was sent (read back from its
 # `sampling` JSON, see ``added_value``), never capped or retried, no truncation policy; provenance
 # unknown (null is "not a value" to the provenance check); one sample, no seed sent, last turn only.

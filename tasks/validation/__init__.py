@@ -41,6 +41,7 @@ from tasks.validation._results import (
     DatasetValidation,
     ShardValidation,
     ValidationReport,
+    measured,
 )
 from tasks.validation._thresholds import Thresholds
 
@@ -62,6 +63,7 @@ __all__ = [
     "check_canary",
     "gate_shard",
     "md_text",
+    "measured",
     "publish_artifacts",
     "report_markdown",
     "report_table",

@@ -4,6 +4,7 @@ the ad-hoc partition runs on one GPU and completes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,38 @@ def test_own_prompts_on_the_emulator_need_no_simulated_gpus_set_up(tmp_path: Pat
     assert f"completed: 10 rows in {out}" in res.stdout
     assert "GpusNotClean" not in res.stderr and "Retrying" not in res.stderr
     assert [g["used_mib"] for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"]] == [0] * 8
+    _published_files_are_data_only(out)
+    _card_is_fit_to_publish(out, tmp_path)
+
+
+def _published_files_are_data_only(out: Path) -> None:
+    """Issue 25 item 8: docs/output.md's `hf upload` patterns, applied as the Hub's CLI applies them
+    (fnmatch on the path relative to OUT), publish the data and nothing of the run's machinery."""
+    import fnmatch
+
+    doc = (REPO_ROOT / "docs" / "output.md").read_text()
+    block = doc[doc.index("<!-- publish-command:"):]
+    command = block[block.index("```sh"):block.index("```", block.index("```sh") + 5)]
+    patterns = re.findall(r'--include "([^"]+)"', command.split("\n# ")[0])
+    assert patterns and "--exclude" not in command
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert any(f.startswith("_logs/server-") for f in files) and "_sim-gpus.json" in files  # both exist here
+    sent = [f for f in files if any(fnmatch.fnmatch(f, pat) for pat in patterns)]
+    assert sent == ["README.md", "_validation.json", "my/shard-00000.parquet"], sent
+
+
+def _card_is_fit_to_publish(out: Path, tmp: Path) -> None:
+    from tasks.schema import COLUMNS
+
+    card = (out / "README.md").read_text()
+    body = card[card.index("\n---\n", 4):]
+    assert "\n# adhoc: X\n" in body  # the partition and the output, each once
+    assert str(tmp) not in card and str(REPO_ROOT) not in card  # no host path is published
+    assert "- input: `my.jsonl` (sha256 " in card
+    assert "nothing stripped: newlines are kept" in card
+    for col in COLUMNS:
+        assert re.search(rf"^\| `{col}` \| `[^`]+` \| \S.+ \|$", body, re.M), col
+    assert "| reasoning_present | pass | 0% without reasoning | at most 5% |" in card
 
 
 def test_a_machine_without_gpus_is_told_once_how_to_run_instead_not_retried(tmp_path: Path) -> None:

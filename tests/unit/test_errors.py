@@ -20,7 +20,7 @@ from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
 from tasks.files import UnsafeFile, WriteFailed
-from tasks.hygiene import GpusNotClean, ProbeFailed
+from tasks.hygiene import GpusNotClean, NoGpus, ProbeFailed
 from tasks.inference import ClientError, PromptTooLong, RequestRejected, ServerGone
 from tasks.prompts import TemplateError
 from tasks.server import (
@@ -49,7 +49,7 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed,
+    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed, NoGpus,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
@@ -59,7 +59,7 @@ USAGE: set[type[DatagenError]] = {
     UnrecordedShards, UnsafeFile, NotifyError, DatabaseUnreachable,
 }
 FAILED: set[type[DatagenError]] = {
-    DatagenError, GpusNotClean, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
+    DatagenError, GpusNotClean, NoGpus, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
     RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError, WriteFailed,
 }
 
