@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
-from tasks.server import list_remembered
+from tasks.server import default_file, list_remembered
 from tasks.shards import OutputDir
 
 
@@ -55,15 +56,35 @@ def status(out: Path) -> dict[str, Any]:
             "open_journals": od.open_journals(name),
             "damaged": [d.to_dict() for d in od.damaged_shards(name)],
         }
-    validation = None
-    vpath = out / "_validation.json"
-    if vpath.exists():
-        try:
-            validation = json.loads(vpath.read_text()).get("verdict")
-        except ValueError:
-            validation = "unreadable"
     return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
-            "lock_holder": od.lock_holder(), "validation": validation, "learned_fractions": _fractions()}
+            "lock_holder": od.lock_holder(), "validation": _validation(out, datasets),
+            "learned_fractions": _fractions(), "fractions_from": _fractions_from()}
+
+
+def _validation(out: Path, datasets: dict[str, Any]) -> dict[str, Any] | None:
+    """The last report's verdict, and whether it still describes the output: it is stale when the
+    output's rows changed since, and says nothing final while a dataset is unfinished."""
+    vpath = out / "_validation.json"
+    if not vpath.exists():
+        return None
+    try:
+        doc = json.loads(vpath.read_text())
+    except (OSError, ValueError):
+        return {"verdict": "unreadable"}
+    if not isinstance(doc, dict):
+        return {"verdict": "unreadable"}
+    rows_now = sum(d["rows"] for d in datasets.values())
+    unfinished = sorted(n for n, d in datasets.items()
+                        if d["shards_total"] is None or d["shards_committed"] < d["shards_total"])
+    return {"verdict": doc.get("verdict"), "rows": doc.get("rows"), "validated_at": doc.get("validated_at"),
+            "stale": doc.get("rows") != rows_now, "unfinished": unfinished,
+            "stopped_by": (doc.get("stop") or {}).get("by")}
+
+
+def _fractions_from() -> str:
+    """Where the fractions shown were read: the Prefect API, or this host's file."""
+    url = os.environ.get("PREFECT_API_URL", "").strip()
+    return f"prefect:{url}" if url else f"file:{default_file()}"
 
 
 def _fractions() -> list[dict[str, Any]]:
@@ -90,9 +111,33 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("lock: held by " + ", ".join(f"{k}={v}" for k, v in holder.items() if v is not None))
     else:
         lines.append("lock: free")
-    lines.append(f"validation: {doc['validation'] or 'not run'}")
+    lines.append(f"validation: {_render_validation(doc['validation'], doc['out_dir'])}")
     lines.extend(render_fractions(doc["learned_fractions"]))
+    lines.extend(_fractions_note(doc.get("fractions_from", "")))
     return "\n".join(lines)
+
+
+def _render_validation(v: dict[str, Any] | None, out: str) -> str:
+    if v is None:
+        return "not run"
+    if v.get("verdict") == "unreadable":
+        return f"unreadable _validation.json: run `datagen validate {out}`"
+    when = f"{v['verdict']} ({v.get('rows') or 0:,} rows, validated {v.get('validated_at')})"
+    if v.get("stopped_by"):
+        when += f", the run was stopped by {v['stopped_by']}"
+    if v.get("unfinished"):
+        return (f"not final: {', '.join(v['unfinished'])} unfinished (last report: {when}); a rerun finishes "
+                "and validates it")
+    if v.get("stale"):
+        return f"out of date (last report: {when}, before the rows changed): run `datagen validate {out}`"
+    return when
+
+
+def _fractions_note(source: str) -> list[str]:
+    if not source.startswith("file:"):
+        return []
+    return [f"  (read from {source[5:]}, where each run on this host keeps a copy of what it learned; "
+            "set PREFECT_API_URL to read the Prefect server's Variables)"]
 
 
 def render_fractions(entries: list[dict[str, Any]]) -> list[str]:

@@ -355,6 +355,11 @@ def prefect_api_reachable(timeout_s: float = 2.0) -> bool:
         return False
 
 
+def default_file() -> Path:
+    """This host's fractions file: the store without a Prefect API, and the copy of the Variables."""
+    return state_dir() / "fractions.json"
+
+
 class FractionMemory:
     """Remembered fractions per key, over one store (see module docstring for which)."""
 
@@ -366,7 +371,7 @@ class FractionMemory:
         """The ONE place that picks the store: Prefect Variables when the API answers, else the file."""
         if prefect_api_reachable():
             return cls(PrefectStore())
-        return cls(FileStore(state_dir() / "fractions.json"))
+        return cls(FileStore(default_file()))
 
     @property
     def kind(self) -> str:
@@ -382,7 +387,7 @@ class FractionMemory:
             frac = "default" if fraction is None else format_fraction(fraction)
             e.history.append(f"{_now()} launched at {frac}, headroom {headroom_gib} GiB")
 
-        return self.store.update(key, fn)
+        return self._mirrored(self.store.update(key, fn))
 
     def remember_runtime_oom(self, key: str, fraction: float, step: float) -> MemoryEntry:
         def fn(e: MemoryEntry) -> None:
@@ -392,7 +397,22 @@ class FractionMemory:
             e.fraction = lower if e.fraction is None else min(e.fraction, lower)
             e.history.append(f"{_now()} runtime OOM at {format_fraction(fraction)}")
 
-        return self.store.update(key, fn)
+        return self._mirrored(self.store.update(key, fn))
+
+    def _mirrored(self, entry: MemoryEntry) -> MemoryEntry:
+        """A Prefect Variable's new value, copied into this host's file too: ``datagen status``
+        without ``PREFECT_API_URL`` (or with the server down) still tells what this host's runs
+        learned. Best effort: the Variable is the one the tuner reads."""
+        if self.store.kind != "file":
+            def copy(e: MemoryEntry) -> None:
+                for name in ("fraction", "headroom_gib", "runtime_oom_at", "history"):
+                    setattr(e, name, getattr(entry, name))
+
+            try:
+                FileStore(default_file()).update(entry.key, copy)
+            except (OSError, MemoryStoreError) as exc:
+                log.warning("fraction not copied to %s: %s", default_file(), exc)
+        return entry
 
     def entries(self) -> list[MemoryEntry]:
         return [e for _, e in self.store.named_entries()]

@@ -62,6 +62,15 @@ def test_own_prompts_on_the_emulator_need_no_simulated_gpus_set_up(tmp_path: Pat
     assert [g["used_mib"] for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"]] == [0] * 8
     _published_files_are_data_only(out)
     _card_is_fit_to_publish(out, tmp_path)
+    # The run kept its learned fraction in its own Prefect API's Variables; `datagen status` without
+    # PREFECT_API_URL reads this host's copy (issue 25 item 10), never "none yet".
+    status = subprocess.run([DATAGEN, "status", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "learned memory fraction: none yet" not in lines, status.stdout
+    assert any(x.startswith("learned memory fraction: ") and "[file: " in x for x in lines), status.stdout
+    assert any(x.startswith("validation: pass (10 rows, validated ") for x in lines), status.stdout
 
 
 def _published_files_are_data_only(out: Path) -> None:

@@ -138,3 +138,30 @@ def test_validation_of_a_changed_or_missing_shard_names_datagen_repair(output: P
     assert any(m.startswith("shard 1 of ds: cannot read ") and m.endswith(fix) for m in messages), messages
     assert any(m.startswith("the file's sha256 differs from the manifest (changed after commit)") and
                m.endswith(fix) for m in messages), messages
+
+
+def test_status_says_whether_the_last_validation_still_describes_the_output(output: Path, tmp_path: Path) -> None:
+    """Issue 25 item 10: a report of an earlier state is not the output's verdict."""
+    env = {**__import__("os").environ, "DATAGEN_STATE_DIR": str(tmp_path / "state")}
+    env.pop("PREFECT_API_URL", None)
+
+    def status() -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "datagen", "status", str(output)], capture_output=True,
+                              text=True, timeout=60, cwd=str(REPO_ROOT), env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    assert "validation: not run" in status()
+    report = validate_output(output)
+    line = next(x for x in status() if x.startswith("validation: "))
+    assert line == f"validation: {report.verdict} (40 rows, validated {report.validated_at})", line
+    manifest = json.loads((output / "_manifest.json").read_text())
+    del manifest["datasets"]["ds"]["shards"]["3"]  # as a run that was stopped before its last shard
+    manifest["datasets"]["ds"]["complete"] = False
+    (output / "_manifest.json").write_text(json.dumps(manifest))
+    (output / "ds" / "shard-00003.parquet").unlink()
+    line = next(x for x in status() if x.startswith("validation: "))
+    assert line.startswith(f"validation: not final: ds unfinished (last report: {report.verdict} (40 rows, "), line
+    # the fractions: where they were read, and that a copy of the Variables is kept there
+    assert f"  (read from {tmp_path / 'state' / 'fractions.json'}, where each run on this host keeps a copy" \
+        in "\n".join(status())
