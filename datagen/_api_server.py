@@ -31,7 +31,7 @@ import httpx
 
 from flows import runrecord
 from flows.gpulimit import seconds_from_env
-from tasks.config import state_dir
+from tasks.config import OWNED_API_ENV, state_dir
 from tasks.errors import DatagenError
 from tasks.files import atomic_write_json
 from tasks.procs import process_started, terminate_group
@@ -199,11 +199,13 @@ def owned_api() -> Iterator[str | None]:
         else:
             raise ApiServerError(f"the Prefect API server found no free port:\n{_tail(log)}")
         os.environ["PREFECT_API_URL"] = url
+        os.environ[OWNED_API_ENV] = url  # flows/logs.py: its links live only as long as this command
         try:
             yield url
         finally:
             _drain_prefect()
             os.environ.pop("PREFECT_API_URL", None)
+            os.environ.pop(OWNED_API_ENV, None)
     finally:
         if proc is not None:
             _stop(proc)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from datagen._cli import EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
-from datagen.cmd_run import failure_label, run_flow, ui_url
+from datagen.cmd_run import failure_label, run_flow, ui_url, verdict_line
 from tasks.config import ConfigError, Overrides, load_partition
 from tasks.shards import OutputDir, OutputLocked
 
@@ -65,10 +65,29 @@ def main(argv: list[str]) -> int:
         rows = sum(int(s.get("rows", 0)) for s in shards.values())
         print(f"  {name}: {rows} rows in {len(shards)} shards -> {out / name}")
     print()
-    print(result["validation"])
-    print()
+    print(verdict_line(result["validation"], out))
     print(f"elapsed: {elapsed:.1f} s")
     ui = ui_url()
     if ui:
         print(f"Prefect UI: {ui}")
+    print(next_steps(out, sorted(manifest.get("datasets", {})), ui))
     return EXIT_OK
+
+
+def next_steps(out: Path, datasets: list[str], ui: str | None) -> str:
+    """What a new user does after the demo: look at rows, export them, try their own prompts, and
+    see the same pipeline run through Prefect."""
+    first = datasets[0] if datasets else "glaive_like"
+    home = Path.cwd()
+    rel = out.relative_to(home) if out.is_relative_to(home) else out
+    see = "open the UI above" if ui else "`make up`, then `.venv/bin/prefect deployment run datagen/demo --watch`"
+    return "\n".join([
+        "",
+        "next:",
+        f"  the dataset card        {rel}/README.md",
+        f"  a few rows              .venv/bin/python -c \"import pyarrow.parquet as pq; "
+        f"print(pq.read_table('{rel}/{first}').slice(0, 2).to_pylist())\"",
+        f"  training JSONL          .venv/bin/datagen export {rel} --format sharegpt --out /tmp/{first}.jsonl",
+        "  your own prompts        .venv/bin/datagen run --input my.jsonl --backend emulator --out /tmp/try",
+        f"  through Prefect         {see}",
+    ])

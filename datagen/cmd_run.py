@@ -171,6 +171,12 @@ def failure_label(result: Any, failed: str) -> str:
     return "configuration error" if isinstance(result, ConfigError) else failed
 
 
+def verdict_line(summary: str, out: Path) -> str:
+    """The validation's first line: the checks were logged above, and are kept in the output."""
+    head = summary.splitlines()[0] if summary else "validation: not run"
+    return f"{head}; the checks are in the log above and {out / '_validation.json'}"
+
+
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "demo"
 
 
@@ -191,7 +197,7 @@ def main(argv: list[str]) -> int:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
         for line in server_lines(result.get("servers") or []):
             print(line)
-        print(result["validation"])
+        print(verdict_line(result["validation"], Path(result["out_dir"])))
         if result.get("latest"):
             print(f"latest -> {result['out_dir']}")
     else:

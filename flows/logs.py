@@ -7,6 +7,8 @@
   lines about it are dropped, the flow run's final state line points up to it, and the engine's
   ``Engine execution exited with unexpected exception`` (a worker's flow-run process) is dropped. Any other
   exception, a bug, keeps Prefect's lines and traceback.
+- ``View at <url>`` of a run on the API ``datagen run`` started for itself says that the link lives
+  only while the command runs.
 - A cancelled run (flows/cancel.py: the worker announced it) is not a crash: the task run's
   ``Crash detected! ... termination signal`` becomes one line saying the task stopped for the cancel,
   its ``Finished in state Crashed(...)`` is dropped, and the flow run's ``Finished in state Running()``
@@ -19,9 +21,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 from flows.cancel import cancel_announced, declared_sigterm
+from tasks.config import OWNED_API_ENV
 from tasks.errors import DatagenError
 
 __all__ = ["RunLogFilter", "install", "is_expected"]
@@ -53,6 +57,12 @@ class RunLogFilter(logging.Filter):
         cause = _stopped_by(msg)
         if cause is not None:
             return self._stopped(record, msg, cause)
+        if msg.startswith("View at ") and (own := os.environ.get(OWNED_API_ENV)) and \
+                msg.removeprefix("View at ").startswith(own.removesuffix("/api")):
+            record.msg = f"{msg} (while this command runs: its own Prefect API stops when it ends; " \
+                         "`make up` keeps a server and its UI)"
+            record.args = None
+            return True
         if record.name == "prefect.task_runs":
             if msg.startswith("Finished in state Completed("):
                 return False

@@ -3,7 +3,7 @@
 A name a person gave (``prefect deployment run --flow-run-name``, the custom-run form's name field)
 is kept as given. A name Prefect generated (two words from its ``coolname`` vocabulary, e.g.
 ``mustard-seal``) becomes ``<partition>[-<output>]-<YYYY-MM-DD>-<HHMM>``: the partition, the output
-directory's name when the run writes elsewhere than the partition's root (``out``), and the
+directory's name when the run's ``out`` is set (and not named as the partition), and the
 scheduled start in UTC, so that a nightly run's name is its night even when it starts late.
 """
 
@@ -59,7 +59,7 @@ def run_name(current: str | None, parameters: dict[str, Any], when: datetime | N
     partition = str(parameters.get("partition") or "all")
     if partition.endswith(".toml"):
         partition = Path(partition).stem
-    out = parameters.get("out")
-    where = f"-{_slug(Path(str(out)).name)}" if out else ""
+    out = Path(str(parameters.get("out") or "")).name
+    where = f"-{_slug(out)}" if out and out != partition else ""
     stamp = (when or datetime.now(UTC)).astimezone(UTC)
     return f"{partition}{where}-{stamp:%Y-%m-%d-%H%M}"

@@ -11,7 +11,14 @@ partition: ``[server] targets`` entries, ``PartitionConfig.servers()``).
 from __future__ import annotations
 
 from tasks.config._checks import ConfigError
-from tasks.config._load import deployments_dir, list_partitions, load_partition, project_root, state_dir
+from tasks.config._load import (
+    OWNED_API_ENV,
+    deployments_dir,
+    list_partitions,
+    load_partition,
+    project_root,
+    state_dir,
+)
 from tasks.config._model import PartitionConfig, ServerSettings, SimGpuSettings
 from tasks.config._settings import (
     BACKENDS,
@@ -42,4 +49,5 @@ __all__ = [
     "project_root",
     "reference_table",
     "state_dir",
+    "OWNED_API_ENV",
 ]

@@ -49,7 +49,11 @@ from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.validation import ThresholdError, Thresholds
 
-__all__ = ["deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
+__all__ = ["OWNED_API_ENV", "deployments_dir", "list_partitions", "load_partition", "project_root", "state_dir"]
+
+# Set while `datagen run` serves itself a Prefect API (datagen._api_server.owned_api): its URL, so that
+# the run's log (flows/logs.py) says the links into it live only as long as the command.
+OWNED_API_ENV = "DATAGEN_OWNED_API_URL"
 
 
 def project_root() -> Path:

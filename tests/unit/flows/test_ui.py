@@ -102,6 +102,7 @@ def test_generated_run_names_carry_the_output_and_a_person_s_name_is_kept() -> N
     assert run_name("calm-otter", {"partition": "demo", "out": "/data/x/parser-b"}, when) == \
         "demo-parser-b-2026-12-02-0259"
     assert run_name("calm-otter", {"out": "/o/a b"}, when) == "all-a-b-2026-12-02-0259"
+    assert run_name("calm-otter", {"partition": "demo", "out": "data/out/demo"}, when) == "demo-2026-12-02-0259"
     assert run_name("my-parser-experiment", {"partition": "demo"}, when) == "my-parser-experiment"
 
 
