@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("datagen.cmd_status", "shards committed/total, rows, lock holder, learned memory fraction"),
     "repair": ("datagen.cmd_repair", "un-commit missing or damaged shards so the next run regenerates them"),
     "resplit": ("datagen.cmd_resplit", "re-derive reasoning/content from stored raw text"),
-    "export": ("datagen.cmd_export", "export an output as sharegpt / openai-messages JSONL"),
+    "export": ("datagen.cmd_export", "export an output as sharegpt / openai-messages / specforge JSONL"),
     "up": ("datagen.cmd_up", "start a local Prefect server, work pool, deployments and worker"),
     "worker": ("datagen.cmd_up", "start one more Prefect worker, for a work pool (this or another control host)"),
     "down": ("datagen.cmd_up", "stop what `datagen up` and `datagen worker` started (by pid file)"),

@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="datagen export", description=__doc__.split("\n")[0],
                                      epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output directory (holds _manifest.json)")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="sharegpt (conversations), openai-messages (messages) or specforge (an EAGLE-3 "
+                             "drafter's training set)")
     parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     parser.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     parser.add_argument("--include-truncated", action="store_true",

@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="datagen status", description="Status of an output directory.",
                                 epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", nargs="?", help="an output directory (without it: the remembered fractions only)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the status document as JSON")
     args = parse_args(p, argv)
     if isinstance(args, int):
         return args

@@ -514,6 +514,14 @@ def _env_flag(name: str) -> bool | None:
     raise ConfigError(f"${name}={value!r}: give 1 (on) or 0 (off), or unset it")
 
 
+_DESCRIPTIONS = {
+    "up": "Start what is not running yet: a Prefect server, the work pools and GPU limits, the deployments "
+          "of prefect.yaml, the failure automation and one worker; each stopped by `datagen down`.",
+    "worker": "Start one more Prefect worker for a work pool, on this or another control host.",
+    "down": "Stop what `datagen up` and `datagen worker` started, by their pid files (nothing else).",
+}
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("up", "down", "worker"):
         print("usage: datagen up|worker|down [options]", file=sys.stderr)
@@ -524,7 +532,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"datagen {cmd}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    parser = argparse.ArgumentParser(prog=f"datagen {cmd}", epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=f"datagen {cmd}", description=_DESCRIPTIONS[cmd], epilog=exit_codes(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", help="where pid files and logs go (default <project>/.run)")
     if cmd in ("up", "worker"):
         parser.add_argument("--pool", default=POOL,
@@ -534,7 +543,8 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--api-url", help="the Prefect API the worker serves (default $PREFECT_API_URL, else "
                                               "the server `datagen up` started with this --run-dir)")
     if cmd == "up":
-        parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("DATAGEN_PREFECT_PORT", DEFAULT_PORT)),
+                            help=f"the started server's port (default $DATAGEN_PREFECT_PORT, else {DEFAULT_PORT})")
         parser.add_argument("--host", default=os.environ.get("DATAGEN_PREFECT_HOST") or "127.0.0.1",
                             help="the address the started server listens on (default $DATAGEN_PREFECT_HOST, else "
                                  "127.0.0.1; give the host's address for workers on other control hosts)")

@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 import time
+from typing import Any
 
 import psutil
 
@@ -30,8 +31,15 @@ _STARTED = time.monotonic()  # /server_info's tokenizer_e2e startup timing count
 
 def build_parser() -> argparse.ArgumentParser:
     """The launch_server flags datagen may pass, plus the emulator's own ``--emu-*`` flags."""
-    p = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=False)
-    a = p.add_argument
+    p = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=False,
+                                description="The SGLang emulator: SGLang's launch_server flags datagen passes, "
+                                            "its startup, endpoints and failures, on simulated GPUs (docs/emulator.md).")
+    sglang = p.add_argument_group("SGLang's flags (accepted as launch_server does; see its --help)")
+
+    def a(*flags: str, **kw: Any) -> None:
+        kw.setdefault("help", "as SGLang's")
+        sglang.add_argument(*flags, **kw)
+
     a("--model-path", "--model", dest="model_path", required=True)
     a("--tokenizer-path", default=None)
     a("--host", default="127.0.0.1")
@@ -76,31 +84,43 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-eagle-topk", type=int, default=None)
     a("--speculative-num-draft-tokens", type=int, default=None)
     e = p.add_argument_group("emulator (not SGLang flags)")
-    e.add_argument("--emu-profile", default="auto", choices=["auto", "demo", "generic"])
-    e.add_argument("--emu-load-time", type=float, default=1.0)
-    e.add_argument("--emu-graph-time", type=float, default=0.3)
-    e.add_argument("--emu-warmup-time", type=float, default=0.5)
-    e.add_argument("--emu-crash-after", type=int, default=None)
-    e.add_argument("--emu-hang-after", type=int, default=None)
-    e.add_argument("--emu-503-rate", type=float, default=0.0)
+    e.add_argument("--emu-profile", default="auto", choices=["auto", "demo", "generic"],
+                   help="memory and speed model: the demo model's, a generic one, or picked from the model (auto)")
+    e.add_argument("--emu-load-time", type=float, default=1.0, help="seconds loading weights")
+    e.add_argument("--emu-graph-time", type=float, default=0.3, help="seconds capturing CUDA graphs")
+    e.add_argument("--emu-warmup-time", type=float, default=0.5,
+                   help="after binding, /health answers 503 this long")
+    e.add_argument("--emu-crash-after", type=int, default=None,
+                   help="the server dies (scheduler crash) after this many requests")
+    e.add_argument("--emu-hang-after", type=int, default=None,
+                   help="the server stops answering after this many requests (a hang)")
+    e.add_argument("--emu-503-rate", type=float, default=0.0,
+                   help="fraction of /generate requests answered 503")
     e.add_argument("--emu-bad-body-rate", type=float, default=0.0,
                    help="fraction of /generate answers sent as a 200 with a truncated, non-JSON body")
-    e.add_argument("--emu-ignore-sigterm", action="store_true")
-    e.add_argument("--emu-orphan-on-crash", action="store_true")
-    e.add_argument("--emu-prefill-us-per-token", type=float, default=5.0)
-    e.add_argument("--emu-decode-ms-per-step", type=float, default=2.0)
-    e.add_argument("--emu-output-tokens", type=int, default=96)
+    e.add_argument("--emu-ignore-sigterm", action="store_true", help="ignore SIGTERM (only SIGKILL stops it)")
+    e.add_argument("--emu-orphan-on-crash", action="store_true",
+                   help="on a crash, leave a scheduler child holding GPU memory (the field reports' orphan)")
+    e.add_argument("--emu-prefill-us-per-token", type=float, default=5.0,
+                   help="prefill time per prompt token (microseconds)")
+    e.add_argument("--emu-decode-ms-per-step", type=float, default=2.0,
+                   help="decode time per step of the running batch (milliseconds)")
+    e.add_argument("--emu-output-tokens", type=int, default=96, help="mean output length (tokens)")
     e.add_argument("--emu-output-sigma", type=float, default=0.0,
                    help="log-normal sigma of output lengths (same mean; 0: uniform 0.5x..1.5x)")
-    e.add_argument("--emu-seed", type=int, default=0)
-    e.add_argument("--emu-health-timeout", type=float, default=20.0)
-    e.add_argument("--emu-host-mem-gib", type=float, default=None)
-    e.add_argument("--emu-drain-timeout", type=float, default=30.0)
+    e.add_argument("--emu-seed", type=int, default=0, help="seed of the emulated outputs and faults")
+    e.add_argument("--emu-health-timeout", type=float, default=20.0,
+                   help="seconds /health_generate waits for a generation before it fails")
+    e.add_argument("--emu-host-mem-gib", type=float, default=None,
+                   help="host memory (GiB): loading more fails as SGLang does (default: unlimited)")
+    e.add_argument("--emu-drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish")
     e.add_argument("--emu-request-log", default=os.environ.get("DATAGEN_EMU_REQUEST_LOG") or None,
                    help="append 'recv RID' when a /generate request arrives and 'done RID' when it is "
                         "answered (default: $DATAGEN_EMU_REQUEST_LOG)")
     # A gate for tests: /generate requests wait while this file exists (runs held at a known point).
-    e.add_argument("--emu-hold-while", metavar="PATH", default=None)
+    e.add_argument("--emu-hold-while", metavar="PATH", default=None,
+                   help="/generate requests wait while this file exists (tests hold runs at a known point)")
     return p
 
 

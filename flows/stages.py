@@ -296,7 +296,8 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "") -> Server
              + (f" **LOW**: under {LOW_HEADROOM_GIB:g} GiB left for activations, a long prefill batch may "
                 "run out of memory (lower mem_fraction_static)" if low else ""),
              f"- relaunch budget: {attempt - 1} of {cfg.max_relaunches} used",
-             f"- url: {handle.url}", f"- pid {handle.pid}, log `{handle.log_path}`",
+             f"- url: `{handle.url}` (this run's server: stopped when the run ends)",
+             f"- pid {handle.pid}, log `{handle.log_path}`",
              f"- attempts ({len(report.attempts)}): {report.summary()}"]
     artifact = _markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
                          description=f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "

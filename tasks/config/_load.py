@@ -56,6 +56,16 @@ __all__ = ["OWNED_API_ENV", "deployments_dir", "list_partitions", "load_partitio
 OWNED_API_ENV = "DATAGEN_OWNED_API_URL"
 
 
+def _elsewhere(value: str, base: Path) -> str:
+    """For a relative path that does not exist from ``base`` (a partition file outside deployments/, e.g.
+    a copy of demo.toml) but does from the datagen checkout: how to point at it."""
+    there = project_root() / value
+    if Path(value).is_absolute() or base == project_root() or not there.exists():
+        return ""
+    return (f"; a partition outside {deployments_dir()} resolves relative paths against its own folder "
+            f"({base}): write {there}, or put the file in {deployments_dir()}")
+
+
 def project_root() -> Path:
     """The datagen checkout: ``$DATAGEN_HOME`` when set, else the folder above this package."""
     env = os.environ.get("DATAGEN_HOME")
@@ -131,7 +141,10 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         if not isinstance(ds_path, str):
             raise ConfigError(f"{f}: {key}: must be a path string")
         p = resolve_path(ds_path, base)
-        datasets[ds_name] = input_file(p, f, f"{key}: {p}")
+        try:
+            datasets[ds_name] = input_file(p, f, f"{key}: {p}")
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{_elsewhere(ds_path, base)}") from exc
 
     model = table(data, "model", f)
     no_unknown(model, _MODEL_KEYS, f, "model.")

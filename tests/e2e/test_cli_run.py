@@ -74,6 +74,18 @@ def test_configuration_errors_exit_2_with_one_line_naming_file_and_key(tmp_path:
         assert not (tmp_path / "prefect" / "prefect.db").exists(), "Prefect started before the configuration was checked"
 
 
+def test_a_copy_of_demo_toml_elsewhere_is_told_where_its_relative_paths_point(tmp_path: Path) -> None:
+    """Issue 25 item 12: the copy resolves data/samples/... against its own folder; the error says how."""
+    copy = tmp_path / "my.toml"
+    copy.write_text((ROOT / "deployments" / "demo.toml").read_text())
+    res = _cli({"copy": ["run", "--partition", str(copy), "--out", str(tmp_path / "out")]}, tmp_path)["copy"]
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        f"datagen run: configuration error: {copy}: datasets.glaive_like: {tmp_path}/data/samples/glaive_like.jsonl: "
+        f"no such file; a partition outside {ROOT}/deployments resolves relative paths against its own folder "
+        f"({tmp_path}): write {ROOT}/data/samples/glaive_like.jsonl, or put the file in {ROOT}/deployments\n")
+
+
 def test_unusable_inputs_and_outputs_exit_2_with_one_line(tmp_path: Path) -> None:
     good, bad_pq, folder = tmp_path / "in.jsonl", tmp_path / "bad.parquet", tmp_path / "prompts"
     good.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
