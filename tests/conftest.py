@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+import uuid
 
 import psutil
 
@@ -27,6 +28,14 @@ for _name in ("DATAGEN_STATE_DIR", "DATAGEN_RUN_DIR"):
         os.environ[_name] = os.environ[f"DATAGEN_TESTS_MADE_{_name}"] = _SESSION_DIRS[-1]
 
 
+# Every process this session's tests start inherits this mark (set anew in each xdist worker, which
+# imports this file itself), so that the sweep below finds them even when they left the process tree:
+# a daemon that double-forked, a child reparented when its parent was SIGKILLed. Named outside the
+# DATAGEN_/PREFECT_ prefixes, which the tests' subprocess environments drop.
+SESSION_MARK = "DGTEST_SESSION_MARK"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     """Last line of defence: report, then end by pid, any process a test left running. Under xdist
     each worker checks its own tests' processes (the controller's only children are the workers)."""
@@ -37,9 +46,28 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _marked() -> list[psutil.Process]:
+    """Processes outside this one's tree that carry this session's mark."""
+    mark, me = os.environ[SESSION_MARK], os.getpid()
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(SESSION_MARK) == mark:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def _end_leftovers(session) -> None:  # type: ignore[no-untyped-def]
     left = []
-    for p in psutil.Process().children(recursive=True):
+    seen: set[int] = set()
+    for p in [*psutil.Process().children(recursive=True), *_marked()]:
+        if p.pid in seen:
+            continue
+        seen.add(p.pid)
         try:
             if p.status() != psutil.STATUS_ZOMBIE:
                 left.append((p, " ".join(p.cmdline())[:200]))

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.common import free_port
+from tests.support.common import free_port, scaled
 from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -69,7 +69,9 @@ class EmulatorProc:
         return kids
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Poll /health_generate until 200. Raises RuntimeError (with the log) on exit or timeout."""
+        """Poll /health_generate until 200 (``timeout`` stretched by the machine's load). Raises
+        RuntimeError (with the log) on exit or timeout."""
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.children()

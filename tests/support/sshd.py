@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
-from tests.support.common import free_port
+from tests.support.common import free_port, scaled
 from tests.support.paths import REPO_ROOT
 
 SSHD = "/usr/sbin/sshd"
@@ -127,7 +127,7 @@ def restart_sshd(server: SshServer, deadline_s: float = 15.0) -> subprocess.Pope
     log_path = Path(server.log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(list(server.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + deadline_s
+    deadline = time.monotonic() + scaled(deadline_s)
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"sshd exited {proc.returncode}: {log_path.read_text()[-2000:]}")
