@@ -169,6 +169,23 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     ids["demo"] = api.run("datagen/demo", out=str(base / "demo"))
     st = api.wait(ids["demo"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
     assert st["type"] == "COMPLETED", st["message"] + api.logs(ids["demo"])[-3000:]
+    # the canary stops a wrong parser on its first rows (its reason holds <think>...</think>)
+    ids["canary"] = api.run("datagen/demo", out=str(base / "canary"), reasoning_parser="mistral")
+    st = api.wait(ids["canary"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
+    assert st["type"] == "FAILED" and "canary" in st["message"], st
+    # cancelled in Prefect once a shard is committed
+    part = _partition(base / "cancel", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"])
+    ids["cancelled"] = api.run("datagen/demo", partition=str(part))
+    api.wait(ids["cancelled"], {"RUNNING"}, 120)
+    manifest, deadline = base / "cancel" / "out" / "_manifest.json", time.monotonic() + 120
+    while not (manifest.exists() and any(d.get("shards") for d in json.loads(manifest.read_text())["datasets"].values())):
+        assert time.monotonic() < deadline, "no shard committed before the cancel"
+        time.sleep(0.2)
+    cancel = subprocess.run([DATAGEN.replace("datagen", "prefect"), "flow-run", "cancel", ids["cancelled"]],
+                            env=dict(stack["env"], PREFECT_API_URL=stack["api_url"]), capture_output=True, text=True,
+                            timeout=60)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    assert api.wait(ids["cancelled"], {"CANCELLED", "CRASHED", "FAILED", "COMPLETED"}, 90)["type"] == "CANCELLED"
     if SHOTS:
         ids["relaunched"] = api.run("datagen/demo", partition=str(_partition(base / "relaunch",
                                                                               ["--emu-crash-after", "60"])))
@@ -337,6 +354,47 @@ def test_browser_failed_validation_run(stack: dict[str, Any], runs: dict[str, st
     browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{runs['failed']}")
     browser.wait_text("ValidationFailed")
     browser.shot("run-failed-validation")
+
+
+def _artifact_page(browser: Page, stack: dict[str, Any], run_id: str, prefix: str, needle: str) -> str:
+    (art,) = [a for a in _artifacts(stack["api"], run_id) if (a["key"] or "").startswith(prefix)]
+    browser.open(f"http://127.0.0.1:{stack['port']}/artifacts/artifact/{art['id']}")
+    return browser.wait_text(needle, scroll=True)
+
+
+def test_browser_cancelled_run_is_cancelled_with_what_is_kept(stack: dict[str, Any], runs: dict[str, str],
+                                                              browser: Page) -> None:
+    """Issue 25 item 1 in the UI: the run page says Cancelled, the logs tell no crash, the summary and
+    progress say what is kept and how to resume."""
+    run = runs["cancelled"]
+    browser.open(f"http://127.0.0.1:{stack['port']}/runs/flow-run/{run}")
+    text = browser.wait_text("Cancelled")
+    text = browser.wait_text("stopped: the flow run was cancelled", scroll=True)
+    for wrong in ("Crash detected", "TerminationSignal", "Finished in state Running"):
+        assert wrong not in text, wrong
+    browser.show("Cancelled")
+    browser.shot("run-cancelled")
+    summary = _artifact_page(browser, stack, run, SUMMARY_KEY_PREFIX, "Run summary: CANCELLED")
+    assert "cancelled in Prefect (flow-run cancel or the UI)" in summary
+    assert "a rerun with the same parameters resumes after them" in summary
+    progress = _artifact_page(browser, stack, run, "datagen-progress", "CANCELLED")
+    assert "FAILED" not in progress
+
+
+def test_browser_canary_stop_leads_with_its_cause_and_shows_the_think_tags(stack: dict[str, Any],
+                                                                          runs: dict[str, str], browser: Page) -> None:
+    """Issue 25 items 2 and 3: the validation summary leads with the canary's stop and its checks, the
+    run summary's reason shows <think>...</think> as written (not swallowed as an HTML tag)."""
+    run = runs["canary"]
+    validation = _artifact_page(browser, stack, run, "validation-summary", "Stopped by the canary")
+    assert "Stopped by the canary on the first rows of glaive_like:" in validation
+    assert "reasoning_present" in validation and "100% without reasoning" in validation
+    assert "not judged: the canary on the first rows of glaive_like stopped the run first" in validation
+    assert "datagen resplit" not in validation  # nothing was committed: a rerun, not a resplit
+    browser.shot("run-canary-stop")
+    summary = _artifact_page(browser, stack, run, SUMMARY_KEY_PREFIX, "the raw output uses the")
+    assert "the raw output uses the <think>…</think> format but parser is mistral" in summary
+    browser.shot("run-summary-think")
 
 
 @pytest.mark.skipif(not SHOTS, reason=f"the relaunched run is made only for screenshots (${SHOTS_ENV})")
