@@ -36,6 +36,11 @@ __all__ = [
     "render_row",
 ]
 
+# Which assistant turns a run generates: "last", the conversation's last; "all", every one, each from
+# the model's own earlier turns (declared here, beside the conversations, so that the configuration
+# checks it without importing the inference client).
+REGENERATE_MODES = ("last", "all")
+
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import DatagenError
-from tasks.inference import REGENERATE_MODES
-from tasks.prompts import check_input
+from tasks.prompts import REGENERATE_MODES, check_input
 from tasks.reasoning import PARSERS
 from tasks.targets import TargetError, parse_target
 
@@ -107,7 +106,7 @@ def int_from(lo: int, hi: int) -> Callable[[Any, str, str], int]:
 
 
 def regenerate_mode(value: Any, f: str, key: str) -> str:
-    """One of ``tasks.inference.REGENERATE_MODES``."""
+    """One of ``tasks.prompts.REGENERATE_MODES``."""
     if value not in REGENERATE_MODES:
         raise ConfigError(f"{f}: {key}: {value!r} is not one of {', '.join(map(repr, REGENERATE_MODES))} "
                           "(the last assistant turn, or every assistant turn of the conversation)")

@@ -35,7 +35,7 @@ from tasks.config._checks import (
     positive_int,
     regenerate_mode,
 )
-from tasks.inference import REGENERATE_MODES
+from tasks.prompts import REGENERATE_MODES
 from tasks.reasoning import PARSERS
 
 __all__ = [

@@ -14,13 +14,11 @@ from tasks.inference._budget import TruncationPolicy
 from tasks.inference._client import ClientConfig
 from tasks.inference._order import ORDERS
 from tasks.inference._records import DEFAULT_SAMPLING
+from tasks.prompts import REGENERATE_MODES
 
 __all__ = ["AUTO", "REGENERATE_MODES", "Endpoint", "InferenceSettings"]
 
 AUTO = "auto"  # reasoning_parser: inferred from the model directory's config
-# "last": the conversation's last assistant turn; "all": every assistant turn, each from the
-# model's own earlier turns.
-REGENERATE_MODES = ("last", "all")
 
 
 @dataclass(frozen=True)

