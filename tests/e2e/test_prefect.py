@@ -177,6 +177,20 @@ def _flow_process(worker: int, run_id: str, deadline_s: float = 60) -> psutil.Pr
     raise AssertionError(f"no flow-run process for {run_id} under worker {worker}")
 
 
+def _running_with_a_shard(stack: dict[str, Any], part: Path, out: Path, **params: Any) -> tuple[str, int]:
+    """A deployment run of ``part`` once a shard of it is committed (recorded in the manifest: a shard
+    file alone may be a moment ahead of it): its id and its server's pid."""
+    api: Api = stack["api"]
+    run = api.run("datagen/demo", partition=str(part), **params)
+    api.wait(run, {"RUNNING"}, 90)
+    deadline = time.monotonic() + 120
+    while not _committed_shards(out / "_manifest.json", "glaive_like"):
+        assert time.monotonic() < deadline, "no shard committed"
+        time.sleep(0.1)
+    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
+    return run, int(record["servers"][0]["pid"])
+
+
 def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[str, Any], tmp_path: Path) -> None:
     api: Api = stack["api"]
     # Decode slow enough that the kill lands with shards left (the rerun keeps the flags: they are part
@@ -186,16 +200,8 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     part = _partition(tmp_path, "kill", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"],
                       run="", sampling="")
     out = tmp_path / "kill"
-    run = api.run("datagen/demo", partition=str(part), samples=2)
-    api.wait(run, {"RUNNING"}, 90)
+    run, server_pid = _running_with_a_shard(stack, part, out, samples=2)
     proc = _flow_process(stack["worker"], run)
-    deadline = time.monotonic() + 120
-    # committed = recorded in the manifest (a shard file alone may be a moment ahead of it)
-    while not _committed_shards(out / "_manifest.json", "glaive_like"):
-        assert time.monotonic() < deadline, "no shard committed"
-        time.sleep(0.1)
-    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
-    server_pid = record["servers"][0]["pid"]
     assert pid_alive(server_pid)
     proc.send_signal(signal.SIGKILL)
     st = api.wait(run, {"CRASHED", "FAILED", "COMPLETED"}, 60)
@@ -236,14 +242,7 @@ def test_cancelled_run_ends_cancelled_keeps_shards_and_says_how_to_resume(stack:
     api: Api = stack["api"]
     part = _partition(tmp_path, "cancel", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"])
     out = tmp_path / "cancel"
-    run = api.run("datagen/demo", partition=str(part))
-    api.wait(run, {"RUNNING"}, 90)
-    deadline = time.monotonic() + 120
-    while not _committed_shards(out / "_manifest.json", "glaive_like"):
-        assert time.monotonic() < deadline, "no shard committed"
-        time.sleep(0.1)
-    record = json.loads((stack["base"] / "state" / "runs" / f"{run}.json").read_text())
-    server_pid = record["servers"][0]["pid"]
+    run, server_pid = _running_with_a_shard(stack, part, out)
     cancel = subprocess.run([PREFECT, "flow-run", "cancel", run], env=stack["env"], capture_output=True, text=True,
                             timeout=60)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
