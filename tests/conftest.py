@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 
@@ -27,6 +28,12 @@ for _name in ("DATAGEN_STATE_DIR", "DATAGEN_RUN_DIR"):
         _SESSION_DIRS.append(tempfile.mkdtemp(prefix=f"datagen-tests-{_name[8:].lower()}-"))
         os.environ[_name] = os.environ[f"DATAGEN_TESTS_MADE_{_name}"] = _SESSION_DIRS[-1]
 
+
+# A suite started in the background by a non-interactive shell (`cmd &`, as some CI runners do) inherits
+# SIGINT ignored, and so would every `datagen` it starts: the Ctrl-C tests would see a command that
+# cannot be interrupted. A Python handler here makes the tests' children start with the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Every process this session's tests start inherits this mark (set anew in each xdist worker, which
 # imports this file itself), so that the sweep below finds them even when they left the process tree:
