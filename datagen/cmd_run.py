@@ -177,9 +177,6 @@ def verdict_line(summary: str, out: Path) -> str:
     return f"{head}; the checks are in the log above and {out / '_validation.json'}"
 
 
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "demo"
-
-
 @reports_errors("datagen run")
 def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
@@ -191,7 +188,7 @@ def main(argv: list[str]) -> int:
                   "launch), --server-url URL (a running server) or --backend emulator (the bundled demo "
                   "model on the emulator)", file=sys.stderr)
             return EXIT_USAGE
-        args.model_path = str(DEMO_MODEL)  # the emulator serves the bundled demo model
+        # on the emulator the ad-hoc partition's own [model] path, the bundled demo model, is served
     code, result = run_flow(partition_of(args), overrides_of(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")

@@ -58,7 +58,7 @@ def status(out: Path) -> dict[str, Any]:
         }
     return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
             "lock_holder": od.lock_holder(), "validation": _validation(out, datasets),
-            "learned_fractions": _fractions(), "fractions_from": _fractions_from()}
+            **_fractions()}
 
 
 def _validation(out: Path, datasets: dict[str, Any]) -> dict[str, Any] | None:
@@ -81,21 +81,16 @@ def _validation(out: Path, datasets: dict[str, Any]) -> dict[str, Any] | None:
             "stopped_by": (doc.get("stop") or {}).get("by")}
 
 
-def _fractions_from() -> str:
-    """Where the fractions shown were read: the Prefect API, or this host's file."""
+def _fractions() -> dict[str, Any]:
+    """The remembered fractions (``learned_fractions``) and where they were read (``fractions_from``):
+    the Prefect API with PREFECT_API_URL set, else this host's file (which keeps a copy of the
+    Variables its runs updated), read without importing Prefect (2 s here)."""
     url = os.environ.get("PREFECT_API_URL", "").strip()
-    return f"prefect:{url}" if url else f"file:{default_file()}"
-
-
-def _fractions() -> list[dict[str, Any]]:
-    """The remembered fractions: from the Prefect API with PREFECT_API_URL set, else this host's file
-    (which keeps a copy of the Variables its runs updated) without importing Prefect (2 s here)."""
     try:
-        if os.environ.get("PREFECT_API_URL", "").strip():
-            return list_remembered()
-        return list_remembered(FractionMemory(FileStore(default_file())))
+        entries = list_remembered() if url else list_remembered(FractionMemory(FileStore(default_file())))
     except Exception as exc:  # the memory store is advisory here
-        return [{"error": str(exc)}]
+        entries = [{"error": str(exc)}]
+    return {"learned_fractions": entries, "fractions_from": f"prefect:{url}" if url else f"file:{default_file()}"}
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -174,7 +169,7 @@ def main(argv: list[str]) -> int:
     if isinstance(args, int):
         return args
     if args.out_dir is None:
-        fractions = _fractions()
+        fractions = _fractions()["learned_fractions"]
         print(json.dumps({"learned_fractions": fractions}, indent=1, default=str) if args.json
               else "\n".join(render_fractions(fractions)))
         return EXIT_OK

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tasks.validation._results import Check, ValidationReport, measured
+from tasks.validation._results import ValidationReport, measured
 
 
 def _artifact_key(prefix: str, suffix: str) -> str:
@@ -41,7 +41,7 @@ def report_markdown(report: ValidationReport) -> str:
         out += [f"**Stopped by {md_text(report.stop['by'])}:** {md_text(report.stop['message'])}", ""]
         if report.stop["checks"]:
             out += ["| check | status | measured | limit | message |", "|---|---|---|---|---|"]
-            for c in (Check(**c) for c in report.stop["checks"]):
+            for c in report.stop["checks"]:
                 value, limit = measured(c)
                 out.append(f"| {c.name} | {c.status} | {value} | {limit} | {_cell(c.message)} |")
             out.append("")

@@ -90,8 +90,7 @@ def fmt_value(value: Any) -> str:
 
 # What a rate check's value counts (a share of rows), and what a count check's value counts.
 RATE_OF = {"reasoning_present": "without reasoning", "tag_leak": "with tags left", "empty_content": "empty",
-           "truncation": "truncated", "finish_reason": "aborted", "volume": "rejected",
-           "token_counts": "inconsistent"}
+           "truncation": "truncated", "finish_reason": "aborted", "volume": "rejected"}
 COUNT_OF = {"unique_ids": "duplicate rows", "resplit": "rows differ", "finish_reason": "aborted rows"}
 
 
@@ -100,8 +99,8 @@ def _percent(rate: float) -> str:
 
 
 def measured(c: Check) -> tuple[str, str]:
-    """A check's value and limit for people, in one unit and saying what they count: ``0.00%
-    without reasoning`` / ``at most 5%``; ``3 of 3 shards``; ``5.24 chars/token`` / ``0.25-16``.
+    """A check's value and limit for people, in one unit and saying what they count: ``0% without
+    reasoning`` / ``at most 5%``; ``3 of 3 shards``; ``5.24 chars/token`` / ``0.25..16.0 chars/token``.
     Checks whose value is a yes/no (schema, fingerprint, provenance) leave both to the message."""
     v, t = c.value, c.threshold
     if v is None:
@@ -204,7 +203,7 @@ class ValidationReport:
 
     @property
     def verdict(self) -> str:
-        return verdict_of([*self.all_checks(), *(Check(**c) for c in (self.stop or {}).get("checks", []))])
+        return verdict_of([*self.all_checks(), *(self.stop or {}).get("checks", [])])
 
     def note_stop(self, stopped: ShardValidation, message: str, datasets: Iterable[str] = ()) -> None:
         """The run was stopped by the canary (``stopped.shard_index == -1``) or a shard's gate: say so
@@ -214,7 +213,7 @@ class ValidationReport:
         by = ("the canary on the first rows of " if stopped.shard_index < 0 else
               f"the gate of shard {stopped.shard_index} of ") + stopped.dataset
         self.stop = {"by": by, "dataset": stopped.dataset, "shard": stopped.shard_index, "message": message,
-                     "checks": [c.to_dict() for c in stopped.checks] if stopped.shard_index < 0 else []}
+                     "checks": list(stopped.checks) if stopped.shard_index < 0 else []}
         known = {d.name for d in self.datasets}
         for name in datasets:
             if name not in known:
@@ -249,7 +248,7 @@ class ValidationReport:
             "thresholds": self.thresholds.to_dict(),
             "datasets": {d.name: d.to_dict() for d in self.datasets},
             "samples": self.samples,
-            **({"stop": self.stop} if self.stop else {}),
+            **({"stop": {**self.stop, "checks": [c.to_dict() for c in self.stop["checks"]]}} if self.stop else {}),
         }
 
     def summary(self) -> str:
@@ -257,8 +256,7 @@ class ValidationReport:
         lines = [f"validation of {self.out_dir}: {self.verdict.upper()} ({self.rows:,} rows, {self.elapsed_s:.2f} s)"]
         if self.stop:
             lines.append(f"  STOPPED by {self.stop['by']}: {self.stop['message']}")
-            lines += [f"    {_MARK[c['status']]} {c['name']:<18} {measured(Check(**c))[0]:<36} {c['message']}"
-                      for c in self.stop["checks"]]
+            lines += [f"    {_MARK[c.status]} {c.name:<18} {measured(c)[0]:<36} {c.message}" for c in self.stop["checks"]]
         for d in self.datasets:
             lines.append(f"  {d.name}: {d.verdict} - {d.rows:,} rows in {len(d.shards)} shards")
             for c in d.checks:
