@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from flows import runrecord
 from flows.gpulimit import seconds_from_env
@@ -37,7 +38,7 @@ from tasks.files import atomic_write_json
 from tasks.procs import process_started, terminate_group
 
 __all__ = [
-    "LEASE_STORAGE", "START_TIMEOUT_ENV", "START_TIMEOUT_S", "ApiServerError", "end_orphans", "owned_api",
+    "LEASE_STORAGE", "START_TIMEOUT_ENV", "START_TIMEOUT_S", "ApiServerError", "OwnedApi", "end_orphans", "owned_api",
     "start_timeout_s",
 ]
 
@@ -45,7 +46,7 @@ LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 START_TIMEOUT_ENV = "DATAGEN_API_START_TIMEOUT_S"
 START_TIMEOUT_S = 120.0  # a loaded machine needs far more than Prefect's 20 s to migrate and import
 _PR_SET_PDEATHSIG = 1
-_ADDRESS_IN_USE = 3  # uvicorn's exit status when the port was taken between choosing and binding
+_STALL_FACTOR = 10  # by the clock: a server that has not answered after 10x its CPU bound is stuck
 
 
 class ApiServerError(DatagenError, RuntimeError):
@@ -53,7 +54,8 @@ class ApiServerError(DatagenError, RuntimeError):
 
 
 def start_timeout_s() -> float:
-    """How long to wait for the API server's /health: ``$DATAGEN_API_START_TIMEOUT_S``, default 120 s.
+    """The CPU seconds the API server may spend starting before it answers /health:
+    ``$DATAGEN_API_START_TIMEOUT_S``, default 120 s (by the clock a busy host waits longer).
 
     Raises:
         ValueError: the variable is not a positive number.
@@ -84,10 +86,14 @@ def end_orphans(grace_s: float = 5.0) -> list[int]:
     return ended
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _bound_socket() -> socket.socket:
+    """A loopback socket bound to a free port and not yet listening: the server listens on it, so a
+    health probe is refused (not left waiting) until the server is up, and no other process can take
+    the port between choosing it and serving on it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def _die_with_parent(parent: int) -> Any:
@@ -101,18 +107,18 @@ def _die_with_parent(parent: int) -> Any:
     return arm if sys.platform.startswith("linux") else None
 
 
-def _spawn(port: int, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(sock: socket.socket, log: Path) -> subprocess.Popen[bytes]:
     spec = importlib.util.find_spec("prefect")
     if spec is None or spec.origin is None:
         raise ApiServerError("prefect is not installed")
     env = dict(os.environ, PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")
     env.pop("PREFECT_API_URL", None)
+    fd = sock.fileno()
     with open(log, "ab") as fh:
         return subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-             "--log-level", "error", "--lifespan", "on"],
-            stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env, close_fds=True,
+             "prefect.server.api.server:create_app", "--fd", str(fd), "--log-level", "error", "--lifespan", "on"],
+            stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env, close_fds=True, pass_fds=(fd,),
             start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
         )
 
@@ -124,23 +130,40 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> int | None:
-    """None once ``url``/health answers 200, else the server's exit status.
+def _cpu_s(proc: psutil.Process) -> float:
+    with contextlib.suppress(psutil.Error):
+        t = proc.cpu_times()
+        return float(t.user + t.system + t.children_user + t.children_system)
+    return 0.0
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, bound_s: float) -> None:
+    """Return once ``url``/health answers 200.
+
+    The bound is on the CPU time the server spends starting, not on the clock: on a busy host the
+    start takes longer by the clock and the run waits for it; a server that keeps working without
+    answering, or that makes no progress for ``_STALL_FACTOR`` x the bound by the clock, fails the run.
 
     Raises:
-        ApiServerError: not healthy within ``timeout_s``.
+        ApiServerError: the server exited, or passed either bound (the message says which).
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    watched = psutil.Process(proc.pid)
     with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
+        while True:
             if proc.poll() is not None:
-                return proc.returncode
+                raise ApiServerError(f"the Prefect API server exited with status {proc.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
-                    return None
+                    return
+            used, waited = _cpu_s(watched), time.monotonic() - started
+            if used > bound_s:
+                raise ApiServerError(f"the Prefect API server did not answer after {bound_s:g} s of its own CPU "
+                                     f"time ({START_TIMEOUT_ENV} raises the bound)")
+            if waited > _STALL_FACTOR * bound_s:
+                raise ApiServerError(f"the Prefect API server did not answer within {waited:.0f} s, having used "
+                                     f"{used:.1f} s of CPU ({START_TIMEOUT_ENV} raises the bound)")
             time.sleep(0.1)
-    raise ApiServerError(f"the Prefect API server did not answer within {timeout_s:g} s "
-                         f"({START_TIMEOUT_ENV} raises the bound)")
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
@@ -159,22 +182,43 @@ def _drain_prefect() -> None:
         EventsWorker.drain_all(timeout=5)
 
 
+class OwnedApi:
+    """The API server a run uses: ``url`` is known at once (the environment names it before Prefect
+    is imported), ``ready()`` waits for it, so a caller imports the flow while the server starts."""
+
+    def __init__(self, url: str | None, proc: subprocess.Popen[bytes] | None = None, bound_s: float = 0.0) -> None:
+        self.url, self._proc, self._bound_s = url, proc, bound_s
+
+    @property
+    def owned(self) -> bool:
+        return self._proc is not None
+
+    def ready(self) -> None:
+        """Wait for the server's ``/health`` (at once for a server this run does not own).
+
+        Raises:
+            ApiServerError: see ``_wait_healthy``.
+        """
+        if self._proc is not None and self.url is not None:
+            _wait_healthy(self._proc, self.url, self._bound_s)
+
+
 @contextlib.contextmanager
-def owned_api() -> Iterator[str | None]:
-    """Yield the Prefect API this run uses, starting (and at the end stopping) one of its own
-    when PREFECT_API_URL is unset; yields None when another server is in use.
+def owned_api() -> Iterator[OwnedApi]:
+    """The Prefect API this run uses: when PREFECT_API_URL is unset, one of its own, started here
+    (PREFECT_API_URL then names it) and stopped at the end; else the one named (``owned`` False).
 
     Also ends the API servers that dead runs left (``end_orphans``) and sets filesystem lease
-    storage for the server it starts.
+    storage for the server it starts. The caller calls ``ready()`` before the first API call.
 
     Raises:
-        ApiServerError: the server did not become healthy within ``start_timeout_s()``.
+        ValueError: ``$DATAGEN_API_START_TIMEOUT_S`` is not a positive number.
     """
     end_orphans()
     if os.environ.get("PREFECT_API_URL"):
-        yield None
+        yield OwnedApi(None)
         return
-    timeout_s = start_timeout_s()
+    bound_s = start_timeout_s()
     os.environ.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASE_STORAGE)
     folder = _records_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,26 +226,19 @@ def owned_api() -> Iterator[str | None]:
     proc: subprocess.Popen[bytes] | None = None
     record: Path | None = None
     try:
-        for _ in range(5):
-            port = _free_port()
-            proc = _spawn(port, log)
-            record = folder / f"{proc.pid}.json"
-            url = f"http://127.0.0.1:{port}/api"
-            entry = {"target": "local", "host": socket.gethostname(), "pid": proc.pid, "pgid": proc.pid,
-                     "started": process_started(proc.pid), "owner": runrecord.owner(), "url": url, "log": str(log)}
-            atomic_write_json(record, entry)
-            status = _wait_healthy(proc, url, timeout_s)
-            if status is None:
-                break
-            record.unlink(missing_ok=True)
-            if status != _ADDRESS_IN_USE:
-                raise ApiServerError(f"the Prefect API server exited with status {status}:\n{_tail(log)}")
-        else:
-            raise ApiServerError(f"the Prefect API server found no free port:\n{_tail(log)}")
+        with _bound_socket() as sock:
+            proc = _spawn(sock, log)
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
+        record = folder / f"{proc.pid}.json"
+        entry = {"target": "local", "host": socket.gethostname(), "pid": proc.pid, "pgid": proc.pid,
+                 "started": process_started(proc.pid), "owner": runrecord.owner(), "url": url, "log": str(log)}
+        atomic_write_json(record, entry)
         os.environ["PREFECT_API_URL"] = url
         os.environ[OWNED_API_ENV] = url  # flows/logs.py: its links live only as long as this command
         try:
-            yield url
+            yield OwnedApi(url, proc, bound_s)
+        except ApiServerError as exc:
+            raise ApiServerError(f"{exc}:\n{_tail(log)}") if proc.poll() is not None else exc
         finally:
             _drain_prefect()
             os.environ.pop("PREFECT_API_URL", None)

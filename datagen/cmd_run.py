@@ -5,7 +5,8 @@
 The options are the run settings (tasks.config.RUN_SETTINGS; docs/configuration.md lists them).
 
 Uses the Prefect server named by PREFECT_API_URL (or the one `datagen up` started), else starts
-its own API server for the run ($DATAGEN_API_START_TIMEOUT_S bounds its start, default 120 s). A
+its own API server for the run, started while the flow is imported ($DATAGEN_API_START_TIMEOUT_S bounds
+the CPU seconds it may spend starting, default 120: a busy host delays the run, it does not fail it). A
 GPU host another run holds is waited for at most $DATAGEN_SLOT_WAIT_S (default 300 s). ``--input``
 runs ad-hoc datasets with the partition's model and server settings:
 without ``--partition``, those of ``adhoc`` (one local GPU; ``--tp-size`` for more), else ``all``;
@@ -122,12 +123,14 @@ def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
         # Refuse before starting Prefect or touching a GPU: the other run owns this output.
         return exit_code_for(locked), locked
     setup_prefect_env()
-    with owned_api():  # no Prefect server to use: this run's own, stopped when it ends
-        # Imported after setup_prefect_env and owned_api: Prefect reads its settings when imported.
+    with owned_api() as api:  # no Prefect server to use: this run's own, stopped when it ends
+        # Imported after setup_prefect_env and owned_api (Prefect reads its settings when imported),
+        # while the API server starts: the two take seconds each.
         from flows.cancel import sigterm_stops_the_run  # noqa: PLC0415
         from flows.datagen import datagen  # noqa: PLC0415
 
         sigterm_stops_the_run("terminated (SIGTERM to datagen run)")
+        api.ready()
 
         if cfg.server_url is None:
             ensure_limits([limit_name(t) for t in cfg.targets])

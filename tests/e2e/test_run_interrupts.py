@@ -200,14 +200,36 @@ def test_the_api_server_start_up_bound_is_configurable_and_nothing_is_left(tmp_p
     proc = subprocess.run([DATAGEN, "run", "--partition", str(part)], env=env, cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr == ("datagen run: the Prefect API server did not answer within 0.01 s "
-                           "(DATAGEN_API_START_TIMEOUT_S raises the bound)\n")
+    assert proc.stderr == ("datagen run: the Prefect API server did not answer after 0.01 s of its own CPU "
+                           "time (DATAGEN_API_START_TIMEOUT_S raises the bound)\n")
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert _api_records(tmp_path) == []
     bad = subprocess.run([DATAGEN, "run", "--partition", str(part)], env=dict(env, DATAGEN_API_START_TIMEOUT_S="soon"),
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr == "datagen run: DATAGEN_API_START_TIMEOUT_S='soon': expected a positive number of seconds\n"
+
+
+def test_a_slow_api_server_start_delays_the_run_and_never_fails_it(tmp_path: Path, reap_pids: list[int]) -> None:
+    """A busy host: the run's API server gets no CPU for longer than the start bound by the clock
+    (SIGSTOP, then SIGCONT). The bound is on the server's own CPU time, so the run waits and completes."""
+    part, ids = partition(tmp_path, {"ds": 4}, FAST_EMU, shard=4, conc=2, max_relaunches=0)
+    env = _env(tmp_path, DATAGEN_API_START_TIMEOUT_S="20")
+    log = tmp_path / "run.log"
+    proc = _start([DATAGEN, "run", "--partition", str(part)], env, log)
+    reap_pids.append(proc.pid)
+    _wait_for(proc, log, "the API server's record", lambda: bool(_api_records(tmp_path)), timeout_s=60)
+    server = int(_api_records(tmp_path)[0].stem)
+    reap_pids.append(server)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        time.sleep(25)  # past the bound by the clock: the server used no CPU meanwhile
+        assert proc.poll() is None, log.read_text()[-3000:]
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert_exactly_once(tmp_path / "out", ids)
+    assert _alive([server]) == [] and _api_records(tmp_path) == []
 
 
 @pytest.mark.parametrize("delay_s", [1.0, 4.0])
