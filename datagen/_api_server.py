@@ -137,7 +137,7 @@ def _cpu_s(proc: psutil.Process) -> float:
     return 0.0
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, bound_s: float) -> None:
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, bound_s: float, log: Path) -> None:
     """Return once ``url``/health answers 200.
 
     The bound is on the CPU time the server spends starting, not on the clock: on a busy host the
@@ -152,7 +152,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, bound_s: float) -> No
     with httpx.Client(timeout=2.0) as client:
         while True:
             if proc.poll() is not None:
-                raise ApiServerError(f"the Prefect API server exited with status {proc.returncode}")
+                raise ApiServerError(f"the Prefect API server exited with status {proc.returncode}:\n{_tail(log)}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
                     return
@@ -186,8 +186,9 @@ class OwnedApi:
     """The API server a run uses: ``url`` is known at once (the environment names it before Prefect
     is imported), ``ready()`` waits for it, so a caller imports the flow while the server starts."""
 
-    def __init__(self, url: str | None, proc: subprocess.Popen[bytes] | None = None, bound_s: float = 0.0) -> None:
-        self.url, self._proc, self._bound_s = url, proc, bound_s
+    def __init__(self, url: str | None, proc: subprocess.Popen[bytes] | None = None, bound_s: float = 0.0,
+                 log: Path | None = None) -> None:
+        self.url, self._proc, self._bound_s, self._log = url, proc, bound_s, log
 
     @property
     def owned(self) -> bool:
@@ -199,8 +200,8 @@ class OwnedApi:
         Raises:
             ApiServerError: see ``_wait_healthy``.
         """
-        if self._proc is not None and self.url is not None:
-            _wait_healthy(self._proc, self.url, self._bound_s)
+        if self._proc is not None and self.url is not None and self._log is not None:
+            _wait_healthy(self._proc, self.url, self._bound_s, self._log)
 
 
 @contextlib.contextmanager
@@ -236,9 +237,7 @@ def owned_api() -> Iterator[OwnedApi]:
         os.environ["PREFECT_API_URL"] = url
         os.environ[OWNED_API_ENV] = url  # flows/logs.py: its links live only as long as this command
         try:
-            yield OwnedApi(url, proc, bound_s)
-        except ApiServerError as exc:
-            raise ApiServerError(f"{exc}:\n{_tail(log)}") if proc.poll() is not None else exc
+            yield OwnedApi(url, proc, bound_s, log)
         finally:
             _drain_prefect()
             os.environ.pop("PREFECT_API_URL", None)
