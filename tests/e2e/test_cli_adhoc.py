@@ -50,7 +50,7 @@ def _prompts(tmp: Path, n: int) -> Path:
 
 def test_own_prompts_on_the_emulator_need_no_simulated_gpus_set_up(tmp_path: Path) -> None:
     """Issue 25 item 6: the README's way to try one's own prompts; DATAGEN_SIM_GPUS unset, no [sim_gpus]."""
-    env = cli_env(tmp_path, tmp_path / "unused")
+    env = cli_env(tmp_path, tmp_path / "unused", own_api=True)  # as the README's user has it: no server
     env.pop("DATAGEN_SIM_GPUS")
     out = tmp_path / "X"
     res = subprocess.run([DATAGEN, "run", "--input", str(_prompts(tmp_path, 10)), "--backend", "emulator",

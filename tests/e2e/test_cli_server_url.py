@@ -19,7 +19,7 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import migrated_home
+from tests.support.prefect import migrated_home, on_shared_server
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
@@ -40,7 +40,7 @@ def _env(tmp: Path) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
     )
-    return env
+    return on_shared_server(env)  # as under `datagen up`: no API server per run
 
 
 def _write_input(path: Path, prefix: str) -> list[str]:

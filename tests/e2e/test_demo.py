@@ -20,7 +20,7 @@ DATAGEN = str(Path(sys.executable).parent / "datagen")
 
 
 def test_demo_prints_one_table_an_honest_link_and_next_steps_that_work(tmp_path: Path) -> None:
-    env = cli_env(tmp_path, tmp_path / "unused")
+    env = cli_env(tmp_path, tmp_path / "unused", own_api=True)  # make demo: no server anywhere
     env.pop("DATAGEN_SIM_GPUS")
     out = tmp_path / "demo"
     res = subprocess.run([DATAGEN, "demo", "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,

@@ -22,7 +22,7 @@ from emulator.simgpu import SimGpus
 from tasks.shards import Journal, OutputDir
 from tasks.validation import validate_shard
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import migrated_home
+from tests.support.prefect import migrated_home, on_shared_server
 
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
@@ -94,7 +94,7 @@ def _env(tmp: Path) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
     )
-    return env
+    return on_shared_server(env)  # as under `datagen up`: no API server per run
 
 
 def _datagen(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

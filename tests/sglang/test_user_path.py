@@ -33,7 +33,7 @@ from tests.support.inference import (
     write_conversations,
 )
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import migrated_home
+from tests.support.prefect import migrated_home, on_shared_server
 from tests.support.runs import kill_after_first_commit, records
 from tests.support.sglang import CONTEXT, CPU_ARGS
 
@@ -48,7 +48,7 @@ def _env(tmp: Path) -> dict[str, str]:
                DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
-    return env
+    return on_shared_server(env)  # as under `datagen up`: no API server per run
 
 
 def _partition(tmp: Path, data: Path, model: Path, python: Path, *, shard: int, max_new_tokens: int = TOKENS,

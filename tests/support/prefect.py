@@ -147,18 +147,43 @@ def _start_server(home: Path, deadline_s: float) -> tuple[subprocess.Popen[bytes
         raise
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """The session's server. Its start-up deadline scales with the machine's load, and a start that
+_SHARED: list[tuple[subprocess.Popen[bytes], PrefectServer]] = []  # this worker's server, once started
+
+
+def shared_server() -> PrefectServer:
+    """This test session's (xdist worker's) Prefect server, started on first use and stopped by pid at
+    the end of the session. Its start-up deadline scales with the machine's load, and a start that
     misses it is tried once more (on another port) before the tests that need it fail: one slow start
     must not turn every later test of this worker into an error."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    try:
-        proc, server = _start_server(home, scaled(90))
-    except RuntimeError:
-        proc, server = _start_server(home, scaled(180))
-    try:
-        yield server
-    finally:
+    if not _SHARED:
+        home = Path(tempfile.mkdtemp(prefix="datagen-prefect-server-"))
+        atexit.register(shutil.rmtree, home, True)
+        migrated_home(home)  # an empty home would first run every migration: about 10 s more
+        try:
+            _SHARED.append(_start_server(home, scaled(90)))
+        except RuntimeError:
+            _SHARED.append(_start_server(home, scaled(180)))
+    return _SHARED[0][1]
+
+
+def on_shared_server(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (a `datagen` subprocess's) pointed at this session's Prefect server: the run uses it
+    as it uses a `datagen up` server, instead of starting an API server of its own (about 8 s of CPU
+    each). Tests of the run's own API server (no PREFECT_API_URL) do not use this."""
+    env.update(PREFECT_API_URL=shared_server().api_url)
+    return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_server() -> Iterator[None]:
+    yield
+    while _SHARED:
+        proc, _ = _SHARED.pop()
         _stop_group(proc.pid)
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> PrefectServer:
+    """The session's server (``shared_server``)."""
+    return shared_server()

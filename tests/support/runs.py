@@ -17,22 +17,23 @@ import pyarrow.parquet as pq
 from emulator.simgpu import ENV_VAR
 from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import migrated_home
+from tests.support.prefect import migrated_home, on_shared_server
 
 ROOT = REPO_ROOT
 FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-time", "0.1",
             "--emu-output-tokens", "24", "--emu-health-timeout", "1"]
 
 
-def cli_env(tmp: Path, sim_gpus: Path) -> dict[str, str]:
+def cli_env(tmp: Path, sim_gpus: Path, *, own_api: bool = False) -> dict[str, str]:
     """The environment of a `datagen` subprocess: this one without PREFECT_/DATAGEN_ settings, its
-    Prefect home, run and state folders under ``tmp``, and the simulated GPUs file ``sim_gpus``."""
+    Prefect home, run and state folders under ``tmp``, and the simulated GPUs file ``sim_gpus``; on
+    the session's Prefect server unless ``own_api`` (then the run starts its own API server)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
     env.update({ENV_VAR: str(sim_gpus)}, PREFECT_HOME=str(migrated_home(tmp / "prefect")),
                DATAGEN_RUN_DIR=str(tmp / "run"),
                DATAGEN_STATE_DIR=str(tmp / "state"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
-    return env
+    return env if own_api else on_shared_server(env)
 
 
 def _dataset(path: Path, name: str, n: int) -> list[str]:
