@@ -1,11 +1,13 @@
-"""Every generation feature as a user runs it: `datagen run --partition P --out OUT`, where P's
-`[server] python` names the real SGLang environment, so datagen itself cleans the (simulated) GPU,
-launches SGLang on CPU, checks its health, generates, validates and stops it.
+"""Every generation feature as a user runs it against real SGLang on CPU:
 
-- a plain run with a near-context prompt, one too long for the context, truncation retries and
-  provenance, then `datagen export` and the dataset card;
-- `--samples 3` killed with SIGKILL after its first shard, then the identical command;
-- `--samples 2 --regenerate all` (whole conversations) killed the same way, then the identical command.
+- `datagen run --partition P --out OUT`, where P's `[server] python` names the real SGLang
+  environment, so datagen itself cleans the (simulated) GPU, launches SGLang, checks its health,
+  generates, validates and stops it: a plain run with a near-context prompt, one too long for the
+  context, truncation retries and provenance, then `datagen export` and the dataset card;
+- `datagen run --partition P --server-url URL --out OUT` against one real server of this module (a
+  team's shared server; launched once, since each real launch costs about 40 s of CPU here):
+  `--samples 3` killed with SIGKILL after its first shard, then the identical command; `--samples 2
+  --regenerate all` (whole conversations) killed the same way, then the identical command.
 
 Every request asks for a fixed number of tokens with ``ignore_eos``, so the tokens a run generated
 count its requests exactly: a resume that generated ``missing x N`` tokens sent each missing row once.
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -34,8 +37,9 @@ from tests.support.inference import (
 )
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home, on_shared_server
+from tasks.server import FileStore, FractionMemory, launch_tuned, stop_server
 from tests.support.runs import kill_after_first_commit, records
-from tests.support.sglang import CONTEXT, CPU_ARGS
+from tests.support.sglang import CONTEXT, CPU_ARGS, DEADLINE_S, cpu_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -49,6 +53,18 @@ def _env(tmp: Path) -> dict[str, str]:
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
     return on_shared_server(env)  # as under `datagen up`: no API server per run
+
+
+@pytest.fixture(scope="module")
+def shared_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real SGLang server for the module's `--server-url` runs, started by datagen's launcher."""
+    base = tmp_path_factory.mktemp("sglang-shared")
+    handle, _ = launch_tuned(cpu_config(tiny_model), "local", base / "logs", deadline_s=DEADLINE_S,
+                             memory=FractionMemory(FileStore(base / "fractions.json")), gpu_name="cpu", hygiene=None)
+    try:
+        yield handle.url
+    finally:
+        stop_server(handle, grace_s=30.0, hygiene=None)
 
 
 def _partition(tmp: Path, data: Path, model: Path, python: Path, *, shard: int, max_new_tokens: int = TOKENS,
@@ -168,12 +184,13 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
 
 
 def test_killed_samples_run_resumes_with_the_identical_command(
-        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int]) -> None:
+        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int],
+        shared_url: str) -> None:
     data = tmp_path / "prompts.jsonl"
     ids = _write_prompts(data, 12)  # 6 shards of 2 prompts x 3 samples: 36 rows
     out = tmp_path / "out"
     argv = [DATAGEN, "run", "--partition", str(_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
-            "--out", str(out), "--samples", "3"]
+            "--server-url", shared_url, "--out", str(out), "--samples", "3"]
 
     kill_after_first_commit(argv, _env(tmp_path), out, reap_pids, deadline_s=600)
     done = rows_on_disk(out, "ds")
@@ -192,12 +209,13 @@ def test_killed_samples_run_resumes_with_the_identical_command(
 
 
 def test_killed_whole_conversation_run_resumes_with_the_identical_command(
-        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int]) -> None:
+        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int],
+        shared_url: str) -> None:
     data = tmp_path / "chats.jsonl"
     ids = write_conversations(data, 8, turns=2)  # 4 shards of 2 x 2 samples x 2 turns: 32 turns
     out = tmp_path / "out"
     argv = [DATAGEN, "run", "--partition", str(_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
-            "--out", str(out), "--samples", "2", "--regenerate", "all"]
+            "--server-url", shared_url, "--out", str(out), "--samples", "2", "--regenerate", "all"]
 
     kill_after_first_commit(argv, _env(tmp_path), out, reap_pids, deadline_s=600)
     turns_done = turns_on_disk(out, "ds")
