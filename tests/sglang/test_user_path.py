@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from emulator.simgpu import SimGpus
+from tasks.server import FileStore, FractionMemory, launch_tuned, stop_server
 from tasks.shards import OutputDir
 from tests.support.inference import (
     committed_keys,
@@ -37,7 +38,6 @@ from tests.support.inference import (
 )
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home, on_shared_server
-from tasks.server import FileStore, FractionMemory, launch_tuned, stop_server
 from tests.support.runs import kill_after_first_commit, records
 from tests.support.sglang import CONTEXT, CPU_ARGS, DEADLINE_S, cpu_config
 
