@@ -18,7 +18,7 @@ from prefect.utilities.annotations import quote
 
 from flows.gpulimit import host_of
 from tasks.config import PartitionConfig
-from tasks.inference import InferenceSettings, TruncationPolicy
+from tasks.inference import InferenceSettings
 from tasks.reasoning import parser_for_model
 
 __all__ = ["RunContext", "RunPlan", "unlinked"]
@@ -120,7 +120,7 @@ class RunContext:
             reasoning_parser=self.parser, model_dir=cfg.model_path,
             model_name=cfg.server.launch.served_model_name or Path(cfg.model_path).name,
             run_info={"flow_run": self.run_id, "host": self.host},
-            truncation=TruncationPolicy(**cfg.truncation),
+            truncation=cfg.truncation,
             order=cfg.order, order_window=cfg.order_window,
             samples=cfg.samples, regenerate=cfg.regenerate,
         )

@@ -67,8 +67,6 @@ from tasks.shards import OutputDir, ShardRecord
 from tasks.targets import parse_target
 from tasks.validation import (
     ShardValidation,
-    ThresholdError,
-    Thresholds,
     ValidationFailed,
     ValidationReport,
     check_canary,
@@ -429,7 +427,7 @@ def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | 
     """
     spec = dataset.spec
     logger = get_run_logger()
-    thresholds = _thresholds(ctx.cfg)
+    thresholds = ctx.cfg.validation
     out_dir = ctx.plan.out_dir
 
     def on_shard_committed(record: ShardRecord) -> None:
@@ -461,13 +459,6 @@ def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | 
     return summary
 
 
-def _thresholds(cfg: PartitionConfig) -> Thresholds:
-    try:
-        return Thresholds.from_dict(dict(cfg.validation))
-    except ThresholdError as exc:
-        raise ConfigError(f"{cfg.source or 'override'}: [validation]: {exc}") from exc
-
-
 @task(name="validate-output", task_run_name="validate-output", cache_policy=NONE)
 def validate(ctx: RunContext, raise_on_failure: bool = True, stopped: ValidationFailed | None = None) -> dict[str, Any]:
     """Validate the whole output and publish the validation artifacts (pass or fail).
@@ -482,7 +473,7 @@ def validate(ctx: RunContext, raise_on_failure: bool = True, stopped: Validation
         ValidationFailed: the output fails a threshold (a nightly version is marked failed).
     """
     plan = ctx.plan
-    report = validate_output(plan.out_dir, _thresholds(ctx.cfg), write=stopped is None)
+    report = validate_output(plan.out_dir, ctx.cfg.validation, write=stopped is None)
     if stopped is not None and isinstance(stopped.report, ShardValidation):
         report.note_stop(stopped.report, stopped.message, ctx.cfg.datasets)
         write_report(plan.out_dir, report)

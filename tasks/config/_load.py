@@ -44,7 +44,7 @@ from tasks.config._model import (
 )
 from tasks.config._sampling import check_sampling
 from tasks.config._servers import TargetServers, parse_targets
-from tasks.inference import ORDERS
+from tasks.inference import ORDERS, TruncationPolicy
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.validation import ThresholdError, Thresholds
@@ -229,8 +229,8 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     return cfg
 
 
-def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> dict[str, Any]:
-    """``[run.truncation]``: the fields of tasks.inference.TruncationPolicy."""
+def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> TruncationPolicy:
+    """``[run.truncation]`` as a tasks.inference.TruncationPolicy (each key checked and named)."""
     if not isinstance(values, dict):
         raise ConfigError(f"{f}: run.truncation: must be a table (retries, factor, max_new_tokens)")
     no_unknown(values, _TRUNCATION_KEYS, f, "run.truncation.")
@@ -248,21 +248,20 @@ def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> dict[str
         if isinstance(first, int) and limit <= first:
             raise ConfigError(f"{f}: run.truncation.max_new_tokens: {limit} is not above sampling.max_new_tokens "
                               f"({first}): no regeneration could have a larger budget")
-    return out
+    return TruncationPolicy(**out)
 
 
-def _check_validation(values: dict[str, Any], f: str) -> dict[str, Any]:
-    """``[validation]``: threshold names and values as tasks.validation.Thresholds takes them."""
+def _check_validation(values: dict[str, Any], f: str) -> Thresholds:
+    """``[validation]`` as tasks.validation.Thresholds (each key checked and named, then together)."""
     for key, value in values.items():
         try:
             Thresholds.from_dict({key: value})
         except ThresholdError as exc:
             raise ConfigError(f"{f}: validation.{key}: {exc}") from exc
     try:
-        Thresholds.from_dict(values)
+        return Thresholds.from_dict(values)
     except ThresholdError as exc:  # limits that contradict each other
         raise ConfigError(f"{f}: [validation]: {exc}") from exc
-    return dict(values)
 
 
 def _target_flags(entry: TargetServers, i: int, s: dict[str, Any], f: str, model_path: str) -> TargetServers:

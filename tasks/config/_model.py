@@ -25,9 +25,11 @@ from tasks.config._checks import (
 )
 from tasks.config._servers import ServerSlot, TargetServers, slots_of
 from tasks.config._settings import BACKENDS, Overrides, check_text
+from tasks.inference import TruncationPolicy
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.targets import parse_target
+from tasks.validation import Thresholds
 
 __all__ = [
     "BACKENDS",
@@ -123,9 +125,8 @@ class PartitionConfig:
     concurrency: int = 32
     max_relaunches: int = 3  # server relaunches per run, one budget shared by all datasets
     sampling: Mapping[str, Any] = field(default_factory=dict)
-    # [run.truncation]: tasks.inference.TruncationPolicy's fields (retries, factor, max_new_tokens)
-    truncation: Mapping[str, Any] = field(default_factory=dict)
-    validation: Mapping[str, Any] = field(default_factory=dict)
+    truncation: TruncationPolicy = field(default_factory=TruncationPolicy)  # [run.truncation]
+    validation: Thresholds = field(default_factory=Thresholds)  # [validation], checked together at load
     output_root: Path = Path("data/out")
     versioned: bool = False
     sim_gpus: SimGpuSettings | None = None
@@ -199,7 +200,7 @@ class PartitionConfig:
             elif name in _LAUNCH_OVERRIDES:
                 launch[name] = setting.check(value, where, name)
             elif name == "truncation_retries":
-                changes["truncation"] = {**self.truncation, "retries": setting.check(value, where, name)}
+                changes["truncation"] = dataclasses.replace(self.truncation, retries=setting.check(value, where, name))
             else:  # a [run] or [model] value of the same name
                 changes[name] = setting.check(value, where, name)
         try:

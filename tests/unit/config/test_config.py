@@ -504,12 +504,12 @@ def test_truncation_policy_from_run_truncation_and_the_override(tmp_path: Path) 
     f = _write(tmp_path, BASE + "[sampling]\nmax_new_tokens = 4096\n"
                "[run.truncation]\nretries = 2\nfactor = 1.5\nmax_new_tokens = 16384\n")
     cfg = load_partition(f)
-    assert cfg.truncation == {"retries": 2, "factor": 1.5, "max_new_tokens": 16384}
+    assert cfg.truncation == TruncationPolicy(retries=2, factor=1.5, max_new_tokens=16384)  # typed at load
     plan = RunPlan(out_dir=tmp_path / "o", root=tmp_path, version=None, sim_gpus=None, log_dir=tmp_path / "l")
     assert RunContext.build(cfg, plan, None).inference().truncation == TruncationPolicy(2, 1.5, 16384)
-    assert cfg.with_overrides(Overrides(truncation_retries=0)).truncation == {
-        "retries": 0, "factor": 1.5, "max_new_tokens": 16384}
-    assert load_partition(_write(tmp_path, BASE)).truncation == {}  # off unless set
+    assert cfg.with_overrides(Overrides(truncation_retries=0)).truncation == TruncationPolicy(0, 1.5, 16384)
+    assert load_partition(_write(tmp_path, BASE)).truncation == TruncationPolicy()  # off unless set
+    assert not TruncationPolicy().enabled
     with pytest.raises(ConfigError, match=r"^override: truncation_retries: -1 is not a non-negative integer"):
         cfg.with_overrides(Overrides(truncation_retries=-1))
     assert overrides_of(build_parser().parse_args(["--truncation-retries", "3"])) == Overrides(truncation_retries=3)
