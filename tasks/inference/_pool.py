@@ -141,7 +141,8 @@ class InferencePool:
         self.started = time.monotonic()
         # One committer thread: manifest updates are serialised and ordered.
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datagen-commit")
-        self.commit_futures: list[asyncio.Future[Any]] = []
+        # Held from a shard's commit to the end of its gate: no shard commits past a gate that fails.
+        self.commit_turn = asyncio.Lock()
 
     # -- shards ------------------------------------------------------------------------------------
 
@@ -161,10 +162,7 @@ class InferencePool:
         if shard.committing or shard.expected is None or shard.accounted < shard.expected:
             return
         shard.committing = True
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.executor, self._commit_sync, shard)
-        self.commit_futures.append(fut)
-        tg.create_task(self._after_commit(shard, fut))
+        tg.create_task(self._commit(shard))
 
     def _commit_sync(self, shard: _OpenShard) -> ShardRecord:
         shard.journal.close()
@@ -183,8 +181,17 @@ class InferencePool:
             )
         return self.out.commit_shard(self.spec.name, shard.index, rows, rejects, samples=self.samples)
 
-    async def _after_commit(self, shard: _OpenShard, fut: asyncio.Future[ShardRecord]) -> None:
-        record = await fut
+    async def _commit(self, shard: _OpenShard) -> None:
+        """Commit ``shard``, report it, then run the gate (``on_shard_committed``), one shard at a
+        time in the order they filled (asyncio's lock is first come, first served): rows go on being
+        generated and journaled meanwhile, but the next shard commits only after this one's gate
+        passed, so a gate that stops the run leaves no shard committed after the one it judged."""
+        loop = asyncio.get_running_loop()
+        async with self.commit_turn:
+            record = await loop.run_in_executor(self.executor, self._commit_sync, shard)
+            await self._after_commit(shard, record, loop)
+
+    async def _after_commit(self, shard: _OpenShard, record: ShardRecord, loop: asyncio.AbstractEventLoop) -> None:
         self.shards.pop(shard.index, None)
         self.committed.add(shard.index)
         self.result.shards_committed_now += 1
@@ -193,7 +200,7 @@ class InferencePool:
             self.progress(self._progress(shard, record))
         if self.on_shard_committed is not None:
             # After the progress report: a shard the gate stops on is committed, and counted.
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.on_shard_committed, record)
+            await loop.run_in_executor(self.executor, self.on_shard_committed, record)
 
     def _progress(self, shard: _OpenShard, record: ShardRecord) -> ShardProgress:
         elapsed = max(1e-9, time.monotonic() - shard.started)
