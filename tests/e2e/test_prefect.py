@@ -240,7 +240,9 @@ def test_cancelled_run_ends_cancelled_keeps_shards_and_says_how_to_resume(stack:
     """Issue 25 item 1: `prefect flow-run cancel` is a Cancelled run everywhere (state, logs, progress,
     summary), never a crash; the committed shards stay, the server is stopped, and a rerun resumes."""
     api: Api = stack["api"]
-    part = _partition(tmp_path, "cancel", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"])
+    # Decode slow enough (about 25 s for the 6 shards) that the cancel, which takes the worker a few
+    # seconds to carry out, lands with shards left: at 12 ms a step a loaded run once finished first.
+    part = _partition(tmp_path, "cancel", ["--emu-decode-ms-per-step", "30", "--emu-output-tokens", "48"])
     out = tmp_path / "cancel"
     run, server_pid = _running_with_a_shard(stack, part, out)
     cancel = subprocess.run([PREFECT, "flow-run", "cancel", run], env=stack["env"], capture_output=True, text=True,
