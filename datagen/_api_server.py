@@ -90,8 +90,7 @@ def _bound_socket() -> socket.socket:
     """A loopback socket bound to a free port and not yet listening: the server listens on it, so a
     health probe is refused (not left waiting) until the server is up, and no other process can take
     the port between choosing it and serving on it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # no SO_REUSEADDR: nobody else may bind it
     sock.bind(("127.0.0.1", 0))
     return sock
 
@@ -190,10 +189,6 @@ class OwnedApi:
                  log: Path | None = None) -> None:
         self.url, self._proc, self._bound_s, self._log = url, proc, bound_s, log
 
-    @property
-    def owned(self) -> bool:
-        return self._proc is not None
-
     def ready(self) -> None:
         """Wait for the server's ``/health`` (at once for a server this run does not own).
 
@@ -207,7 +202,7 @@ class OwnedApi:
 @contextlib.contextmanager
 def owned_api() -> Iterator[OwnedApi]:
     """The Prefect API this run uses: when PREFECT_API_URL is unset, one of its own, started here
-    (PREFECT_API_URL then names it) and stopped at the end; else the one named (``owned`` False).
+    (PREFECT_API_URL then names it) and stopped at the end; else the one named (``url`` None).
 
     Also ends the API servers that dead runs left (``end_orphans``) and sets filesystem lease
     storage for the server it starts. The caller calls ``ready()`` before the first API call.
