@@ -186,12 +186,11 @@ class InferencePool:
         time in the order they filled (asyncio's lock is first come, first served): rows go on being
         generated and journaled meanwhile, but the next shard commits only after this one's gate
         passed, so a gate that stops the run leaves no shard committed after the one it judged."""
-        loop = asyncio.get_running_loop()
         async with self.commit_turn:
-            record = await loop.run_in_executor(self.executor, self._commit_sync, shard)
-            await self._after_commit(shard, record, loop)
+            record = await asyncio.get_running_loop().run_in_executor(self.executor, self._commit_sync, shard)
+            await self._after_commit(shard, record)
 
-    async def _after_commit(self, shard: _OpenShard, record: ShardRecord, loop: asyncio.AbstractEventLoop) -> None:
+    async def _after_commit(self, shard: _OpenShard, record: ShardRecord) -> None:
         self.shards.pop(shard.index, None)
         self.committed.add(shard.index)
         self.result.shards_committed_now += 1
@@ -200,7 +199,7 @@ class InferencePool:
             self.progress(self._progress(shard, record))
         if self.on_shard_committed is not None:
             # After the progress report: a shard the gate stops on is committed, and counted.
-            await loop.run_in_executor(self.executor, self.on_shard_committed, record)
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.on_shard_committed, record)
 
     def _progress(self, shard: _OpenShard, record: ShardRecord) -> ShardProgress:
         elapsed = max(1e-9, time.monotonic() - shard.started)
