@@ -5,7 +5,9 @@ descendant that left the group).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,19 @@ from tests.support.paths import REPO_ROOT
 
 REPO = REPO_ROOT
 DEMO_MODEL = REPO / "data" / "models" / "demo"
+
+_LOG_DIR: Path | None = None
+
+
+def _log_dir() -> Path:
+    """One folder per test process for emulator logs nobody asked to keep; removed when it exits
+    (the logs stay readable to the test after ``stop``, and /tmp is not littered)."""
+    global _LOG_DIR
+    if _LOG_DIR is None:
+        _LOG_DIR = Path(tempfile.mkdtemp(prefix="datagen-emulator-logs-"))
+        atexit.register(shutil.rmtree, _LOG_DIR, True)
+    return _LOG_DIR
+
 
 # fast startup phases; tests that care about a phase pass their own value (later flags win)
 FAST_ARGS = ["--emu-load-time", "0.05", "--emu-graph-time", "0.02", "--emu-warmup-time", "0.05"]
@@ -143,7 +158,7 @@ def start_emulator(
         args = FAST_ARGS + args
     port = int(args[args.index("--port") + 1])
     if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="emulator-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix="emulator-", suffix=".log", dir=_log_dir())
         os.close(fd)
         log_path = name
     full_env = dict(os.environ)
