@@ -121,7 +121,7 @@ class RunContext:
             model_name=cfg.server.launch.served_model_name or Path(cfg.model_path).name,
             run_info={"flow_run": self.run_id, "host": self.host},
             truncation=cfg.truncation,
-            order=cfg.order, order_window=cfg.order_window,
+            order=cfg.order, order_window=cfg.order_window, dispatch=cfg.dispatch,
             samples=cfg.samples, regenerate=cfg.regenerate,
         )
 

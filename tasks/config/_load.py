@@ -44,7 +44,7 @@ from tasks.config._model import (
 )
 from tasks.config._sampling import check_sampling
 from tasks.config._servers import TargetServers, parse_targets
-from tasks.inference import ORDERS, TruncationPolicy
+from tasks.inference import DISPATCHES, ORDERS, TruncationPolicy
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
 from tasks.validation import ThresholdError, Thresholds
@@ -92,7 +92,7 @@ def list_partitions() -> list[str]:
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
-             "truncation", "order", "order_window", "host_wait_s", "price_per_gpu_hour",
+             "truncation", "order", "order_window", "dispatch", "host_wait_s", "price_per_gpu_hour",
              "samples", "regenerate"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
@@ -180,6 +180,9 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     order = run.get("order", "prefix")
     if order not in ORDERS:
         raise ConfigError(f"{f}: run.order: {order!r} is not one of {', '.join(ORDERS)}")
+    dispatch = run.get("dispatch", "prefix")
+    if dispatch not in DISPATCHES:
+        raise ConfigError(f"{f}: run.dispatch: {dispatch!r} is not one of {', '.join(DISPATCHES)}")
     order_window = run.get("order_window")
     if order_window is not None:
         order_window = positive_int(order_window, f, "run.order_window")
@@ -211,6 +214,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
         order=order,
         order_window=order_window,
+        dispatch=dispatch,
         host_wait_s=nonneg_float(run.get("host_wait_s", 300.0), f, "run.host_wait_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),

@@ -134,6 +134,7 @@ class PartitionConfig:
     hang_timeout_s: float = 120.0
     order: str = "prefix"  # send order: prefix (cache-aware) | input
     order_window: int | None = None  # rows per reordering window (None: from the concurrency)
+    dispatch: str = "prefix"  # across servers: prefix (to the server that served the prefix) | free
     server_urls: tuple[str, ...] = ()  # running servers to use instead of launching (no hygiene)
     host_wait_s: float = 300.0  # how long a server whose host is unreachable is waited for
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)

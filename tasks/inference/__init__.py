@@ -24,7 +24,7 @@ from tasks.inference._client import (
     default_concurrency,
     server_error_message,
 )
-from tasks.inference._dispatch import Dispatcher, Lane, ServerPool
+from tasks.inference._dispatch import Dispatcher, Lane, PrefixRoutes, ServerPool
 from tasks.inference._driver import OpenedDataset, open_dataset, run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._order import ORDERS, prefix_order
@@ -39,7 +39,7 @@ from tasks.inference._provenance import (
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._resume import check_resume
 from tasks.inference._rows import conversation_slots, derive_seed
-from tasks.inference._settings import AUTO, REGENERATE_MODES, Endpoint, InferenceSettings
+from tasks.inference._settings import AUTO, DISPATCHES, REGENERATE_MODES, Endpoint, InferenceSettings
 
 __all__ = [
     "AUTO",
@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "DatasetResult",
     "DatasetSpec",
+    "DISPATCHES",
     "Dispatcher",
     "Endpoint",
     "GenerateClient",
@@ -58,6 +59,7 @@ __all__ = [
     "InferenceSettings",
     "ORDERS",
     "PROVENANCE_COLUMNS",
+    "PrefixRoutes",
     "Lane",
     "OpenedDataset",
     "PromptTooLong",

@@ -10,9 +10,13 @@ another, so a lost server costs only the requests it had in flight; finished row
 (and journaled) once. The dispatcher raises ``ServerGone`` only when no lane serves and no session
 can bring one back.
 
-Per request the dispatcher adds one queue get and put to the client's cost: slots are tokens in an
-``asyncio.Queue`` (``concurrency`` per lane), so a fast server returns its tokens sooner and gets
-more rows, a slow one fewer, and the last rows of a run are spread over every server.
+Each lane has ``concurrency`` slots; a request waits (FIFO) only when every slot is taken, and a
+freed slot goes straight to a waiting request, so a fast server gets more rows, a slow one fewer, and
+the last rows of a run are spread over every server. With prefix-aware dispatch (``affinity``, the
+``[run] dispatch = "prefix"`` default) a request prefers the server that last served its prompt's
+prefix (the samples of one prompt, the turns of one conversation, a shared system prompt), which has
+it in its radix cache; a freed slot never idles while any request waits (``Dispatcher``). Decision
+record: docs/decisions/108-prefix-aware-dispatch.md.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +40,7 @@ from tasks.inference._client import (
 )
 from tasks.inference._settings import Endpoint
 
-__all__ = ["Dispatcher", "Lane", "ServerPool"]
+__all__ = ["Dispatcher", "Lane", "PrefixRoutes", "ServerPool"]
 
 
 class Lane:
@@ -196,6 +201,11 @@ class ServerPool:
             n = sum(1 for name in self._names if name not in self.lost) or 1
         return n * (per_server or self.max_workers_per_server)
 
+    def size(self) -> int:
+        """Servers announced and not given up (serving, launching or recovering)."""
+        with self._lock:
+            return sum(1 for name in self._names if name not in self.lost)
+
     def pending(self) -> dict[str, str]:
         with self._lock:
             return dict(self._pending)
@@ -275,37 +285,110 @@ class ServerPool:
         return out
 
 
-class _Slot:
-    """A lane as one event loop sees it: its open client."""
+class PrefixRoutes:
+    """Which server last served each prompt prefix, so rows that share one go where it is cached.
 
-    __slots__ = ("lane", "client", "live")
+    A prompt's first ``max_blocks`` blocks of ``block`` characters are hashed as a chain (a block's
+    key covers every character before it), and each key remembers the slot the last row with that
+    prefix was sent to (``record``). ``lookup`` finds the deepest key of a prompt that is remembered
+    and names its slot when the prefix it covers is at least ``min_match`` of the hashed prompt or
+    ``min_chars`` characters (about 256 tokens): the samples of one prompt, the turns of one
+    conversation and a long shared system prompt match, a chat template's header that every row
+    shares does not. At most ``capacity`` keys are kept,
+    the least recently used forgotten first. A hash collision only sends a row to a server that has
+    not cached it; the row is generated the same.
+    """
+
+    def __init__(self, block: int = 64, max_blocks: int = 64, min_match: float = 0.5,
+                 min_chars: int = 1024, capacity: int = 1 << 17) -> None:
+        self.block = block
+        self.max_blocks = max_blocks
+        self.min_match = min_match
+        self.min_chars = min_chars
+        self.capacity = capacity
+        self._owner: OrderedDict[int, _Slot] = OrderedDict()
+
+    def keys(self, text: str) -> list[tuple[int, int]]:
+        """``(key, characters covered)`` of each block of ``text``'s hashed prefix, shallow first."""
+        n = min(len(text), self.block * self.max_blocks)
+        out: list[tuple[int, int]] = []
+        h = 0
+        for start in range(0, n, self.block):
+            end = min(start + self.block, n)
+            h = hash((h, text[start:end]))
+            out.append((h, end))
+        return out
+
+    def lookup(self, keys: list[tuple[int, int]]) -> _Slot | None:
+        """The live slot that served the deepest remembered prefix, when it covers enough."""
+        if not keys:
+            return None
+        enough = min(self.min_match * keys[-1][1], self.min_chars)
+        for key, covered in reversed(keys):
+            if covered < enough:
+                return None
+            slot = self._owner.get(key)
+            if slot is not None and slot.live:
+                return slot
+        return None
+
+    def record(self, keys: list[tuple[int, int]], slot: _Slot) -> None:
+        owner = self._owner
+        for key, _ in keys:
+            owner[key] = slot
+            owner.move_to_end(key)
+        while len(owner) > self.capacity:
+            owner.popitem(last=False)
+
+
+class _Slot:
+    """A lane as one event loop sees it: its open client, its free request slots and the requests
+    waiting for one of them (those that prefer this server)."""
+
+    __slots__ = ("lane", "client", "live", "free", "concurrency", "waiting")
 
     def __init__(self, lane: Lane, client: GenerateClient) -> None:
         self.lane = lane
         self.client = client
         self.live = True
+        self.free = 0
+        self.concurrency = 0
+        self.waiting: deque[asyncio.Future[_Slot]] = deque()
 
 
 class Dispatcher:
     """``generate`` over a ``ServerPool``, as ``GenerateClient.generate`` over one server; use it as
     ``async with`` in one event loop.
 
+    A request takes a free slot of a serving server. With ``affinity`` (prefix-aware dispatch) it
+    takes the slot of the server that last served its prompt's prefix (``PrefixRoutes``) when that
+    server has one free, else waits in that server's queue while the queue is shorter than the
+    server's slots; every other request waits in the shared queue. A slot that frees goes to its
+    server's own queue first, then to the shared queue, then to the longest queue of another server:
+    no slot idles while a request waits, whatever the preferences. Without ``affinity`` every request
+    waits in the shared queue (free-slot dispatch). Queues are FIFO.
+
     Args:
         pool: the servers.
         config: client settings of every lane (its concurrency and API key are set per lane).
         concurrency: requests in flight per server (None: from each server's /server_info).
+        affinity: route rows that share a prompt prefix to one server (see above).
     """
 
-    def __init__(self, pool: ServerPool, config: ClientConfig, concurrency: int | None) -> None:
+    def __init__(self, pool: ServerPool, config: ClientConfig, concurrency: int | None,
+                 affinity: bool = False) -> None:
         self.pool = pool
         self.config = config
         self.concurrency = concurrency
+        self.routes = PrefixRoutes() if affinity else None
         self._slots: dict[int, _Slot] = {}  # id(lane) -> slot
-        self._free: asyncio.Queue[_Slot | None] = asyncio.Queue()
+        self._shared: deque[asyncio.Future[_Slot]] = deque()
+        self._gone: ServerGone | None = None  # set once no server serves and none is coming
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opening: set[asyncio.Task[None]] = set()
         self._closed_stats = ClientStats()
         self._last_error = ""
+        self.affine = 0  # requests sent to the server their prefix preferred
 
     @property
     def stats(self) -> ClientStats:
@@ -339,8 +422,8 @@ class Dispatcher:
                 pass
 
     def _sync(self) -> None:
-        """Open a client for each new serving lane; forget dropped ones; fail waiters when no server
-        is left and none is coming."""
+        """Open a client for each new serving lane; forget dropped ones (their waiting requests move
+        to the shared queue); fail waiters when no server is left and none is coming."""
         for lane in self.pool.serving():
             if id(lane) not in self._slots:
                 cfg = dataclasses.replace(self.config, api_key=lane.endpoint.api_key or self.config.api_key)
@@ -352,8 +435,22 @@ class Dispatcher:
         for slot in self._slots.values():
             if slot.live and slot.lane.state != "serving":
                 slot.live = False
-        if self.pool.exhausted():
-            self._free.put_nowait(None)
+            if not slot.live and slot.waiting:
+                self._shared.extendleft(reversed(slot.waiting))  # they waited longest
+                slot.waiting.clear()
+        if self._gone is None and self.pool.exhausted():
+            self._gone = ServerGone(f"every server is gone: {self.pool.why_none()}", last_error=self._last_error)
+        if self._gone is not None:
+            for queue in [self._shared, *(slot.waiting for slot in self._slots.values())]:
+                while queue:
+                    fut = queue.popleft()
+                    if not fut.done():
+                        fut.set_exception(self._gone)
+        elif self._shared:
+            for slot in self._slots.values():  # a slot freed while every lane looked dead
+                while slot.live and slot.free and self._shared:
+                    slot.free -= 1
+                    self._release(slot)
 
     async def _open(self, slot: _Slot) -> None:
         conc = self.concurrency or slot.lane.concurrency
@@ -366,18 +463,66 @@ class Dispatcher:
         except Exception as exc:  # an unusable lane is dropped like a dead one
             self._lost(slot, ServerGone(f"{slot.lane.endpoint.url}: cannot open a client: {exc}"))
             return
+        slot.concurrency = conc
         for _ in range(conc):
-            self._free.put_nowait(slot)
+            self._release(slot)
 
-    async def _take(self) -> _Slot:
+    def _pick(self, pref: _Slot | None) -> _Slot | None:
+        """A free slot now: the preferred server's, else the server with the most free."""
+        if pref is not None and pref.live and pref.free > 0:
+            pref.free -= 1
+            return pref
+        best = None
+        for slot in self._slots.values():
+            if slot.live and slot.free > 0 and (best is None or slot.free > best.free):
+                best = slot
+        if best is not None:
+            best.free -= 1
+        return best
+
+    def _release(self, slot: _Slot) -> None:
+        """A slot of ``slot``'s server is free: hand it to the next waiting request (its server's
+        own queue, the shared queue, the longest queue of another server), else keep it free."""
+        if not slot.live:
+            return  # a dropped server's slot: gone with it
+        for queue in (slot.waiting, self._shared):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(slot)
+                    return
         while True:
-            slot = await self._free.get()
-            if slot is None:
-                self._free.put_nowait(None)  # every other waiter fails too
-                raise ServerGone(f"every server is gone: {self.pool.why_none()}", last_error=self._last_error)
-            if slot.live:
-                return slot
-            # a token of a dropped lane: discarded, so the pool's slots shrink with it
+            longest = max((s.waiting for s in self._slots.values() if s.waiting), key=len, default=None)
+            if longest is None:
+                slot.free += 1
+                return
+            fut = longest.popleft()
+            if not fut.done():
+                fut.set_result(slot)
+                return
+
+    async def _take(self, text: str) -> _Slot:
+        if self._gone is not None:
+            raise self._gone
+        keys = self.routes.keys(text) if self.routes is not None else None
+        pref = self.routes.lookup(keys) if self.routes is not None and keys else None
+        slot = self._pick(pref)
+        if slot is None:
+            fut: asyncio.Future[_Slot] = asyncio.get_running_loop().create_future()
+            if pref is not None and len(pref.waiting) < pref.concurrency:
+                pref.waiting.append(fut)
+            else:
+                self._shared.append(fut)
+            try:
+                slot = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._release(fut.result())  # handed over as this request was cancelled
+                raise
+        if keys:
+            self.affine += slot is pref
+            self.routes.record(keys, slot)  # type: ignore[union-attr]
+        return slot
 
     async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:
         """Generate on some serving server; a server gone mid-request is dropped and the request
@@ -388,16 +533,16 @@ class Dispatcher:
             PromptTooLong, RequestRejected: as ``GenerateClient.generate``.
         """
         while True:
-            slot = await self._take()
+            slot = await self._take(text)
             try:
                 res = await slot.client.generate(text, sampling_params, rid)
             except ServerGone as exc:
                 self._lost(slot, exc)
                 continue
             except BaseException:
-                self._free.put_nowait(slot)
+                self._release(slot)
                 raise
-            self._free.put_nowait(slot)
+            self._release(slot)
             lane = slot.lane
             lane.rows += 1
             lane.prompt_tokens += res.prompt_tokens

@@ -193,8 +193,14 @@ async def _generate(
         info = await probe.server_info()  # engine version, and the defaults below
     conc = settings.concurrency or default_concurrency(info)
     cfg = dataclasses.replace(cfg, concurrency=conc)
-    # Several servers: the workers are every server's slots (those still launching included).
-    workers = endpoint.capacity(settings.concurrency) if isinstance(endpoint, ServerPool) else conc
+    # Several servers: the workers are every server's slots (those still launching included); with
+    # prefix-aware dispatch twice as many, so a freed slot can choose among waiting rows the one whose
+    # prefix its server holds (the servers still never take more than their slots).
+    workers = conc
+    if isinstance(endpoint, ServerPool):
+        workers = endpoint.capacity(settings.concurrency)
+        if _affinity(endpoint, settings):
+            workers *= 2
     result = DatasetResult(spec.name, str(out.path), settings.shard_size, workers, recovered=dict(opened.recovered))
     result.shards_skipped = len(out.committed_indices(spec.name))
     model_name = settings.model_name
@@ -203,7 +209,7 @@ async def _generate(
                          or (Path(model_dir).name if model_dir else "unknown"))
     provenance = await loop.run_in_executor(
         None, _provenance, out, spec.name, model_dir, opened.template, info, run_info.get("flow_run"))
-    async with _client_for(endpoint, cfg, settings.concurrency) as client:
+    async with _client_for(endpoint, cfg, settings.concurrency, _affinity(endpoint, settings)) as client:
         driver = InferencePool(
             spec, out, client, shard_size=settings.shard_size, concurrency=workers,
             sampling=settings.sampling, reasoning_parser=opened.reasoning_parser, template=opened.template,
@@ -246,12 +252,17 @@ def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, temp
     )
 
 
-def _client_for(endpoint: Endpoint | ServerPool, cfg: ClientConfig,
-                concurrency: int | None) -> contextlib.AbstractAsyncContextManager[GenerateClient]:
+def _affinity(endpoint: Endpoint | ServerPool, settings: InferenceSettings) -> bool:
+    """Whether rows are dispatched by prefix: several servers and ``dispatch = "prefix"``."""
+    return isinstance(endpoint, ServerPool) and endpoint.size() > 1 and settings.dispatch == "prefix"
+
+
+def _client_for(endpoint: Endpoint | ServerPool, cfg: ClientConfig, concurrency: int | None,
+                affinity: bool) -> contextlib.AbstractAsyncContextManager[GenerateClient]:
     """The client of a run: one server's, or a dispatcher over a pool's servers."""
     if isinstance(endpoint, ServerPool):
         return cast(contextlib.AbstractAsyncContextManager[GenerateClient],
-                    Dispatcher(endpoint, cfg, concurrency))
+                    Dispatcher(endpoint, cfg, concurrency, affinity=affinity))
     return GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive)
 
 

@@ -16,8 +16,9 @@ from tasks.inference._order import ORDERS
 from tasks.inference._records import DEFAULT_SAMPLING
 from tasks.prompts import REGENERATE_MODES
 
-__all__ = ["AUTO", "REGENERATE_MODES", "Endpoint", "InferenceSettings"]
+__all__ = ["AUTO", "DISPATCHES", "REGENERATE_MODES", "Endpoint", "InferenceSettings"]
 
+DISPATCHES = ("prefix", "free")  # across several servers: prefix-aware, or any free slot
 AUTO = "auto"  # reasoning_parser: inferred from the model directory's config
 
 
@@ -61,13 +62,16 @@ class InferenceSettings:
             the server's prefix cache serves them (``tasks.inference._order``); ``input``: input order.
             The rows are stored in input order either way.
         order_window: rows per reordering window (None: ``window_for(concurrency)``).
+        dispatch: with several servers, ``prefix``: a row goes to the server that last served its
+            prompt's prefix when it can take it soon, else to any free slot
+            (``tasks.inference._dispatch.Dispatcher``); ``free``: to any free slot.
 
         samples: rows per prompt, each with its own ``sampling_seed`` derived from the base seed
             (``sampling["sampling_seed"]``, 0 when unset) and the row's ``(id, sample)``.
         regenerate: one of ``REGENERATE_MODES``.
 
     Raises:
-        ValueError: an unknown ``order`` or an ``order_window`` below 1, ``samples`` below 1, an unknown ``regenerate``.
+        ValueError: an unknown ``order`` or ``dispatch`` or an ``order_window`` below 1, ``samples`` below 1, an unknown ``regenerate``.
     """
 
     shard_size: int
@@ -82,12 +86,15 @@ class InferenceSettings:
     truncation: TruncationPolicy = field(default_factory=TruncationPolicy)
     order: str = "prefix"
     order_window: int | None = None
+    dispatch: str = "prefix"
     samples: int = 1
     regenerate: str = "last"
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
         if self.order_window is not None and self.order_window < 1:
             raise ValueError(f"order_window must be >= 1, got {self.order_window}")
         if self.samples < 1:

@@ -149,3 +149,83 @@ def test_a_dropped_server_waits_for_its_session(servers: Servers, tmp_path: Path
     (report,) = pool.report()
     assert (report["launches"], report["rows"], report["state"]) == (2, 200, "serving")
     assert set(_sent([dying, relaunched]).values()) == {1}
+
+
+# -- prefix-aware dispatch ------------------------------------------------------------------------
+
+def _by_prompt(srvs: list[MinimalServer]) -> dict[str, set[int]]:
+    """Prompt id -> the servers its samples were sent to (a rid is ``id[#sN]@tag``)."""
+    seen: dict[str, set[int]] = {}
+    for k, s in enumerate(srvs):
+        for rid in s.requests:
+            seen.setdefault(rid.partition("@")[0].partition("#")[0], set()).add(k)
+    return seen
+
+
+def _run_samples(inp: Path, out: Path, pool: ServerPool, dispatch: str) -> None:
+    run_dataset(DatasetSpec("ds", inp), out, pool,
+                InferenceSettings(shard_size=40, concurrency=4, client=FAST_CLIENT, samples=4,
+                                  sampling={"max_new_tokens": 16}, reasoning_parser=None,
+                                  model_dir=DEMO_MODEL, dispatch=dispatch))
+
+
+@pytest.mark.parametrize("dispatch", ["prefix", "free"])
+def test_the_samples_of_a_prompt_go_to_one_server_with_prefix_dispatch(
+        servers: Servers, tmp_path: Path, dispatch: str) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 120)
+    srvs = [servers.start(latency_ms=4, slots=4) for _ in range(3)]
+    pool = ServerPool()
+    for i, s in enumerate(srvs):
+        pool.add(f"s{i}", _endpoint(s))
+    _run_samples(tmp_path / "in.jsonl", tmp_path / "out", pool, dispatch)
+    sent = _sent(srvs)
+    assert len(sent) == 480 and set(sent.values()) == {1}  # every (id, sample) exactly once
+    assert all(len(s.requests) > 60 for s in srvs)  # every server kept busy either way
+    together = sum(len(where) == 1 for where in _by_prompt(srvs).values())
+    if dispatch == "prefix":
+        assert together >= 108, together  # >= 90% of the prompts met one server's cache
+    else:
+        assert together <= 30, together  # free slots: four samples rarely meet (1/27 by chance)
+
+
+def test_a_preferred_server_that_is_busy_never_leaves_another_idle(servers: Servers, tmp_path: Path) -> None:
+    # Every row shares one long prompt, so every row prefers the server that took the first: the
+    # others' slots still go to the rows waiting for it.
+    busy = [servers.start(latency_ms=20, slots=2) for _ in range(2)]
+    pool = ServerPool()
+    for i, s in enumerate(busy):
+        pool.add(f"s{i}", _endpoint(s))
+    from tasks.inference import ClientConfig, Dispatcher  # noqa: PLC0415
+
+    async def go() -> Dispatcher:
+        async with Dispatcher(pool, ClientConfig(max_attempts=1), 2, affinity=True) as d:
+            prompt = "the same system prompt " * 40
+            await asyncio.gather(*(d.generate(prompt, {"max_new_tokens": 4}, f"r{i}") for i in range(40)))
+            return d
+
+    d = asyncio.run(go())
+    counts = sorted(len(s.requests) for s in busy)
+    assert sum(counts) == 40 and counts[0] >= 12, counts  # the other server served its share
+    assert d.affine >= 20  # and most rows still met the server they preferred
+
+
+def test_prefix_routes_match_samples_and_turns_not_a_shared_template_header() -> None:
+    from tasks.inference import PrefixRoutes  # noqa: PLC0415
+    from tasks.inference._dispatch import _Slot  # noqa: PLC0415
+
+    routes = PrefixRoutes(block=16, max_blocks=16, min_chars=48)
+    a, b = object.__new__(_Slot), object.__new__(_Slot)
+    a.live = b.live = True
+    header = "<|im_start|>user\n"
+    first = header + "What is the capital of France? Answer briefly."
+    routes.record(routes.keys(first), a)
+    assert routes.lookup(routes.keys(first)) is a  # another sample of the same prompt
+    assert routes.lookup(routes.keys(first + "<|im_end|>assistant: Paris.<|im_end|>more")) is a  # a later turn
+    assert routes.lookup(routes.keys(header + "Something else entirely, of the same length.")) is None
+    a.live = False
+    assert routes.lookup(routes.keys(first)) is None  # a dropped server is preferred by nobody
+    routes.record(routes.keys(first), b)
+    assert routes.lookup(routes.keys(first)) is b
+    small = PrefixRoutes(block=16, max_blocks=8, capacity=4)
+    small.record(small.keys(first), b)
+    assert len(small._owner) == 4  # least recently used keys forgotten
