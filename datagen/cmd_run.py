@@ -161,7 +161,8 @@ def server_lines(servers: list[dict[str, Any]]) -> list[str]:
     for s in servers:
         why = "; ".join([*s.get("drops", []), *([f"lost: {s['lost']}"] if s.get("lost") else []),
                          *([f"not stopped: {s['left_running']}"] if s.get("left_running") else [])])
-        lines.append(f"  server {s['server']}: {s['rows']} rows, {s['tokens_per_s']:.0f} tokens/s, "
+        cached = f"{s['cached_pct']:.0f}% of prompt tokens cached, " if s.get("cached_pct") is not None else ""
+        lines.append(f"  server {s['server']}: {s['rows']} rows, {s['tokens_per_s']:.0f} tokens/s, {cached}"
                      f"{s['launches']} launch(es), {s['state']}" + (f" ({why})" if why else ""))
     return lines
 

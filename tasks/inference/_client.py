@@ -23,7 +23,7 @@ import asyncio
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +46,7 @@ __all__ = [
     "RequestRejected",
     "ServerGone",
     "Transport",
+    "cached_tokens",
     "default_concurrency",
     "server_error_message",
 ]
@@ -515,6 +516,12 @@ def _parse_generate(rid: str, payload: bytes, latency_s: float, attempts: int, m
         max_new_tokens=max_new_tokens,
         capped=capped,
     )
+
+
+def cached_tokens(meta: Mapping[str, Any]) -> int:
+    """``meta_info.cached_tokens`` (SGLang's prefix-cache hits for the request); 0 when absent."""
+    value = meta.get("cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _token_count(meta: dict[str, Any], key: str) -> int:

@@ -36,6 +36,7 @@ from tasks.inference._client import (
     GenerateClient,
     GenerateResult,
     ServerGone,
+    cached_tokens,
     default_concurrency,
 )
 from tasks.inference._settings import Endpoint
@@ -60,6 +61,7 @@ class Lane:
         self.dropped = threading.Event()
         self.rows = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of prompt_tokens, served by its prefix cache (``meta_info``)
         self.completion_tokens = 0
         self.requests = 0
         self.retries = 0
@@ -268,6 +270,7 @@ class ServerPool:
             mine = [lane for lane in lanes if lane.name == name]
             seconds = sum((lane.ended or time.monotonic()) - lane.added for lane in mine)
             tokens = sum(lane.completion_tokens for lane in mine)
+            prompt = sum(lane.prompt_tokens for lane in mine)
             if name in lost:
                 state = "lost" if mine else "never ready"
             elif any(lane.state in ("serving", "finished") for lane in mine):
@@ -278,6 +281,7 @@ class ServerPool:
                 "server": name, "state": state, "rows": sum(lane.rows for lane in mine),
                 "completion_tokens": tokens, "requests": sum(lane.requests for lane in mine),
                 "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+                "cached_pct": round(100.0 * sum(lane.cached_tokens for lane in mine) / prompt, 1) if prompt else None,
                 "launches": len(mine), "urls": [lane.endpoint.url for lane in mine],
                 "drops": [lane.reason for lane in mine if lane.reason],
                 "lost": lost.get(name),
@@ -362,8 +366,10 @@ class Dispatcher:
 
     A request takes a free slot of a serving server. With ``affinity`` (prefix-aware dispatch) it
     takes the slot of the server that last served its prompt's prefix (``PrefixRoutes``) when that
-    server has one free, else waits in that server's queue while the queue is shorter than the
-    server's slots; every other request waits in the shared queue. A slot that frees goes to its
+    server has one free (else any free slot: none idles). When every slot is taken it waits in the
+    queue of that server, or, for a prefix no server has served, of the server with the shortest
+    queue, which the rows sharing the prefix then follow; a queue holds at most as many requests
+    as its server has slots, the rest wait in the shared queue. A slot that frees goes to its
     server's own queue first, then to the shared queue, then to the longest queue of another server:
     no slot idles while a request waits, whatever the preferences. Without ``affinity`` every request
     waits in the shared queue (free-slot dispatch). Queues are FIFO.
@@ -480,7 +486,19 @@ class Dispatcher:
             best.free -= 1
         return best
 
+    def _queue_for(self, pref: _Slot | None) -> _Slot | None:
+        """The server a waiting request queues for: its preferred one, else (a prefix not seen
+        yet) the one with the shortest queue; None (the shared queue) when that queue already holds
+        as many requests as the server has slots."""
+        if pref is None:
+            live = [s for s in self._slots.values() if s.live]
+            pref = min(live, key=lambda s: len(s.waiting)) if live else None
+        if pref is None or len(pref.waiting) >= (pref.concurrency or self.concurrency or 1):
+            return None
+        return pref
+
     def _release(self, slot: _Slot) -> None:
+
         """A slot of ``slot``'s server is free: hand it to the next waiting request (its server's
         own queue, the shared queue, the longest queue of another server), else keep it free."""
         if not slot.live:
@@ -509,8 +527,10 @@ class Dispatcher:
         slot = self._pick(pref)
         if slot is None:
             fut: asyncio.Future[_Slot] = asyncio.get_running_loop().create_future()
-            if pref is not None and len(pref.waiting) < pref.concurrency:
-                pref.waiting.append(fut)
+            queue = self._queue_for(pref) if keys else None
+            if queue is not None:
+                queue.waiting.append(fut)
+                self.routes.record(keys, queue)  # type: ignore[arg-type, union-attr]  # siblings follow
             else:
                 self._shared.append(fut)
             try:
@@ -546,6 +566,7 @@ class Dispatcher:
             lane = slot.lane
             lane.rows += 1
             lane.prompt_tokens += res.prompt_tokens
+            lane.cached_tokens += cached_tokens(res.meta_info)
             lane.completion_tokens += res.completion_tokens
             lane.requests = slot.client.stats.requests
             return res

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.inference._budget import TruncationPolicy, capped_sampling
-from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong
+from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong, cached_tokens
 from tasks.inference._order import Gate, SendQueue
 from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
@@ -380,7 +380,7 @@ class InferencePool:
         shard.completion_tokens += res.completion_tokens
         shard.latencies.append(res.latency_s)
         self.result.prompt_tokens += res.prompt_tokens
-        self.result.cached_tokens += _cached_tokens(res.meta_info)
+        self.result.cached_tokens += cached_tokens(res.meta_info)
         self.result.completion_tokens += res.completion_tokens
 
     def _reject_sample(self, item: _Item, reason: str, status: int | None = None) -> None:
@@ -459,7 +459,3 @@ class InferencePool:
         return res, done
 
 
-def _cached_tokens(meta: Mapping[str, Any]) -> int:
-    """``meta_info.cached_tokens`` (SGLang's prefix-cache hits for the request); 0 when absent."""
-    value = meta.get("cached_tokens")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -207,3 +207,38 @@ def test_several_server_urls_share_the_work_with_no_launch_and_no_hygiene(
         assert f"server {em.url}: {len(rows)} rows" in text, text[-3000:]
         assert em.proc.poll() is None  # someone else's: left running
     assert "hygiene" not in text and "launch-" not in text
+
+
+@pytest.mark.parametrize("dispatch", ["prefix", "free"])
+def test_the_samples_of_a_prompt_meet_one_servers_cache_through_datagen_run(
+        prefect_server: PrefectServer, tmp_path: Path, emulator_factory, dispatch: str) -> None:  # type: ignore[no-untyped-def]
+    # Three running servers, four samples per prompt: with prefix-aware dispatch (the default) a
+    # prompt's samples go where its first sample went, so that server's radix cache serves them.
+    part, ids = _partition(tmp_path, 60, ['"local"'], decode_ms=4,
+                           run="samples = 4" + ('\ndispatch = "free"' if dispatch == "free" else ""))
+    servers = [emulator_factory(["--emu-decode-ms-per-step", "4", "--emu-request-log", str(tmp_path / f"req-{i}.log")])
+               for i in range(3)]
+    env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"))
+    args = [DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")]
+    for em in servers:
+        args += ["--server-url", em.url]
+    proc = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    where: dict[str, set[int]] = {}
+    sent: Counter[str] = Counter()
+    for i in range(3):
+        for line in (tmp_path / f"req-{i}.log").read_text().splitlines():
+            if line.startswith("done "):
+                rid = line.split()[1].rpartition("@")[0]
+                sent[rid] += 1
+                where.setdefault(rid.partition("#")[0], set()).add(i)
+    assert len(sent) == 240 and set(sent.values()) == {1} and sorted(where) == ids  # each (id, sample) once
+    together = sum(len(w) == 1 for w in where.values())
+    cached = [int(m) for m in re.findall(r"server http://\S+: \d+ rows, \d+ tokens/s, (\d+)% of prompt tokens cached", text)]
+    assert len(cached) == 3, text[-3000:]
+    if dispatch == "prefix":
+        assert together >= 54, together  # >= 90% of the prompts on one server
+    else:
+        assert together <= 15, together
+    (tmp_path / f"cached-{dispatch}").write_text(str(cached))

@@ -181,7 +181,9 @@ def test_the_samples_of_a_prompt_go_to_one_server_with_prefix_dispatch(
     sent = _sent(srvs)
     assert len(sent) == 480 and set(sent.values()) == {1}  # every (id, sample) exactly once
     assert all(len(s.requests) > 60 for s in srvs)  # every server kept busy either way
-    together = sum(len(where) == 1 for where in _by_prompt(srvs).values())
+    where_sent = _by_prompt(srvs)
+    assert sorted(where_sent) == ids
+    together = sum(len(where) == 1 for where in where_sent.values())
     if dispatch == "prefix":
         assert together >= 108, together  # >= 90% of the prompts met one server's cache
     else:
