@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -169,16 +170,27 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     terminate_group(proc.pid, grace_s, leader=proc)
 
 
+# How long the end of a run waits for Prefect's queued logs and events to reach the API: seconds on
+# an idle host, more on a loaded one (a CI host at load 8 needed more than the 5 s this once was).
+DRAIN_S = 30.0
+
+
 def _drain_prefect() -> None:
-    """Send Prefect's queued logs and events while the API still answers."""
+    """Send Prefect's queued logs and events while the API still answers, then quiet the workers'
+    exit-time warnings ("Still processing items"): what is left cannot be sent any more, and the
+    command's own last line (its verdict) must stay last."""
+    if "prefect" not in sys.modules:
+        return
     with contextlib.suppress(Exception):
-        from prefect.logging.handlers import APILogWorker
+        from prefect.logging.handlers import APILogWorker  # noqa: PLC0415  # Prefect is loaded already
 
-        APILogWorker.drain_all(timeout=5)
+        APILogWorker.drain_all(timeout=DRAIN_S)
     with contextlib.suppress(Exception):
-        from prefect.events.worker import EventsWorker
+        from prefect.events.worker import EventsWorker  # noqa: PLC0415  # Prefect is loaded already
 
-        EventsWorker.drain_all(timeout=5)
+        EventsWorker.drain_all(timeout=DRAIN_S)
+    for name in ("APILogWorker", "EventsWorker"):  # the services log under their class names
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class OwnedApi:
@@ -212,7 +224,10 @@ def owned_api() -> Iterator[OwnedApi]:
     """
     end_orphans()
     if os.environ.get("PREFECT_API_URL"):
-        yield OwnedApi(None)
+        try:
+            yield OwnedApi(None)
+        finally:
+            _drain_prefect()
         return
     bound_s = start_timeout_s()
     os.environ.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASE_STORAGE)
