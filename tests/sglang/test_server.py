@@ -90,10 +90,14 @@ def _generate(live: Live, text: str, sampling: dict[str, Any], rid: str) -> Gene
 
 
 def test_readiness_goes_refused_then_503_then_200(live: Live) -> None:
-    assert live.health[0] == "refused"
-    assert "503" in live.health
-    assert live.health[-1] == "200"
-    assert live.health.index("503") > live.health.index("refused")
+    # What one poller saw: refused, maybe 503, then 200, nothing else. It polls every 50 ms, yet on
+    # a loaded host it once missed the ~1 s window of 503s (ciA): what the server answered every
+    # poller (this one and the launcher's) is in its own access log.
+    assert live.health[0] == "refused" and live.health[-1] == "200"
+    assert live.health in (["refused", "503", "200"], ["refused", "200"])
+    answered = re.findall(r'"GET /health_generate HTTP/1\.1" (\d{3})', Path(live.handle.log_path).read_text())
+    assert "503" in answered and "200" in answered, answered
+    assert set(answered[:answered.index("200")]) == {"503"}  # warming up: 503 until the first 200
     assert live.handle.progress.phase == "ready"
     assert live.handle.progress.kv_tokens == 4096
     assert live.handle.is_alive()
