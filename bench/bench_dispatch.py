@@ -47,8 +47,8 @@ from tests.support.emulator import DEMO_MODEL, start_emulator  # noqa: E402
 
 SERVERS = 3
 CONCURRENCY = 16  # per server
-# Running requests hold about 16 x (400 prompt + 24 output) tokens; the pool has room for a few more prompts.
-POOL_TOKENS = 10_000
+# Running requests hold about 16 x (400 prompt + 24 output) tokens; the pool has room for about 20 more prompts.
+POOL_TOKENS = 16_000
 EMULATOR = ["--max-running-requests", str(CONCURRENCY), "--max-total-tokens", str(POOL_TOKENS),
             "--emu-prefill-us-per-token", "20", "--emu-decode-ms-per-step", "1", "--emu-output-tokens", "24"]
 MIXES = ("samples", "system", "unique")
