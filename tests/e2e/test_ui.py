@@ -173,8 +173,10 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     ids["canary"] = api.run("datagen/demo", out=str(base / "canary"), reasoning_parser="mistral")
     st = api.wait(ids["canary"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
     assert st["type"] == "FAILED" and "canary" in st["message"], st
-    # cancelled in Prefect once a shard is committed
-    part = _partition(base / "cancel", ["--emu-decode-ms-per-step", "12", "--emu-output-tokens", "48"])
+    # cancelled in Prefect once a shard is committed: about 10 s a shard, so the two shards left
+    # outlast `prefect flow-run cancel` starting on a loaded host (at 12 ms a step the run once
+    # completed before the cancel came)
+    part = _partition(base / "cancel", ["--emu-decode-ms-per-step", "40", "--emu-output-tokens", "48"])
     ids["cancelled"] = api.run("datagen/demo", partition=str(part))
     api.wait(ids["cancelled"], {"RUNNING"}, 120)
     manifest, deadline = base / "cancel" / "out" / "_manifest.json", time.monotonic() + 120
