@@ -8,7 +8,9 @@ Raw asyncio protocol, HTTP/1.1 keep-alive, no pipelining. ``POST /generate`` ans
 (text, meta_info with id, finish_reason, prompt and completion tokens) after ``latency_ms`` with at
 most ``slots`` requests in service at once (0: no wait, no limit); ``--die-after N`` closes the
 listener and every connection at request N+1 (a server that died). GET ``/health``,
-``/health_generate``, ``/server_info``, ``/model_info`` answer 200. ``MinimalServer`` runs in the
+``/health_generate``, ``/server_info``, ``/model_info`` answer 200; GET ``/occupancy`` answers the
+slot-seconds spent serving, the wall-clock times of the first slot taken and the last answer, and
+the slots (a fleet benchmark's slot occupancy, measured at the servers). ``MinimalServer`` runs in the
 caller's event loop (tests); ``requests`` counts the /generate requests each rid arrived in.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from typing import Any
 
@@ -41,6 +44,9 @@ class MinimalServer:
         self.requests: Counter[str] = Counter()
         self.count = 0
         self.dead = False
+        self.busy_s = 0.0  # slot-seconds spent serving (latency held per request)
+        self.first_at: float | None = None  # time.time() of the first slot taken
+        self.last_at: float | None = None  # of the last answer
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Transport] = set()
         self._sem: asyncio.Semaphore | None = None
@@ -76,6 +82,9 @@ class MinimalServer:
             return b"{}"
         if path in ("/server_info", "/get_server_info"):
             return orjson.dumps({"max_running_requests": self.slots or 64, "model_path": "minimal"})
+        if path == "/occupancy":
+            return orjson.dumps({"busy_slot_s": self.busy_s, "first_at": self.first_at, "last_at": self.last_at,
+                                 "slots": self.slots, "served": self.count})
         if path == "/model_info":
             return orjson.dumps({"model_path": "minimal"})
         return None
@@ -90,7 +99,12 @@ class MinimalServer:
     async def delayed(self, conn: _Conn, body: bytes) -> None:
         assert self._sem is not None or not self.slots
         async with self._sem if self._sem is not None else contextlib.nullcontext():
+            t0 = time.time()
+            if self.first_at is None:
+                self.first_at = t0
             await asyncio.sleep(self.latency_s)
+            self.last_at = time.time()
+            self.busy_s += self.last_at - t0
         conn.send(self.answer(body))
 
 
