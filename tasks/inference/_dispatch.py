@@ -452,11 +452,6 @@ class Dispatcher:
                     fut = queue.popleft()
                     if not fut.done():
                         fut.set_exception(self._gone)
-        elif self._shared:
-            for slot in self._slots.values():  # a slot freed while every lane looked dead
-                while slot.live and slot.free and self._shared:
-                    slot.free -= 1
-                    self._release(slot)
 
     async def _open(self, slot: _Slot) -> None:
         conc = self.concurrency or slot.lane.concurrency
@@ -525,6 +520,7 @@ class Dispatcher:
         keys = self.routes.keys(text) if self.routes is not None else None
         pref = self.routes.lookup(keys) if self.routes is not None and keys else None
         slot = self._pick(pref)
+        queue = None
         if slot is None:
             fut: asyncio.Future[_Slot] = asyncio.get_running_loop().create_future()
             queue = self._queue_for(pref) if keys else None
@@ -541,7 +537,8 @@ class Dispatcher:
                 raise
         if keys:
             self.affine += slot is pref
-            self.routes.record(keys, slot)  # type: ignore[union-attr]
+            if slot is not queue:  # a queued row was remembered for its queue's server already
+                self.routes.record(keys, slot)  # type: ignore[union-attr]
         return slot
 
     async def generate(self, text: str, sampling_params: dict[str, Any], rid: str) -> GenerateResult:

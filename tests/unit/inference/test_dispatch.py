@@ -14,7 +14,18 @@ from pathlib import Path
 import pytest
 
 from emulator.minimal import MinimalServer
-from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, ServerGone, ServerPool, run_dataset
+from tasks.inference import (
+    ClientConfig,
+    DatasetSpec,
+    Dispatcher,
+    Endpoint,
+    InferenceSettings,
+    PrefixRoutes,
+    ServerGone,
+    ServerPool,
+    run_dataset,
+)
+from tasks.inference._dispatch import _Slot
 from tests.support.emulator import DEMO_MODEL
 from tests.support.inference import FAST_CLIENT, assert_exactly_once, rows_on_disk, write_input
 
@@ -197,8 +208,6 @@ def test_a_preferred_server_that_is_busy_never_leaves_another_idle(servers: Serv
     pool = ServerPool()
     for i, s in enumerate(busy):
         pool.add(f"s{i}", _endpoint(s))
-    from tasks.inference import ClientConfig, Dispatcher  # noqa: PLC0415
-
     async def go() -> Dispatcher:
         async with Dispatcher(pool, ClientConfig(max_attempts=1), 2, affinity=True) as d:
             prompt = "the same system prompt " * 40
@@ -212,9 +221,6 @@ def test_a_preferred_server_that_is_busy_never_leaves_another_idle(servers: Serv
 
 
 def test_prefix_routes_match_samples_and_turns_not_a_shared_template_header() -> None:
-    from tasks.inference import PrefixRoutes  # noqa: PLC0415
-    from tasks.inference._dispatch import _Slot  # noqa: PLC0415
-
     routes = PrefixRoutes(block=16, max_blocks=16, min_chars=48)
     a, b = object.__new__(_Slot), object.__new__(_Slot)
     a.live = b.live = True
