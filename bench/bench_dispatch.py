@@ -6,13 +6,15 @@ serve one ``run_dataset`` through a ``ServerPool``, the way a partition with thr
 alternating order, every server's cache flushed before each run:
 
 - ``samples``: distinct prompts of about 400 tokens, four samples each (``samples = 4``);
-- ``system``: rows drawing one of 48 system prompts of about 300 tokens at random;
+- ``system``: rows drawing one of 64 system prompts of about 300 tokens at random;
+- ``mixed``: both at once, issue 22's shared-prefix mix: rows drawing one of 64 system prompts,
+  each with its own question, four samples each;
 - ``unique``: distinct prompts of about 400 tokens, one sample each (nothing to share).
 
 Reported per input and mode: the share of prompt tokens the servers' prefix caches served (from each
-answer's ``meta_info.cached_tokens``) and rows/s; then prefix / free for both. Targets: more cached
-tokens on the two shared mixes, and the ``unique`` mix no slower (rows/s ratio >= 0.9, the noise of
-one run on a shared machine). The emulator's prefill costs 20 us per uncached token, so the rows/s
+answer's ``meta_info.cached_tokens``) and rows/s; then prefix / free for both. Targets (issue 22):
+on ``mixed``, at least 1.5x the prompt tokens served from cache and rows/s not lower; on
+``unique``, rows/s within 5%; more cached tokens on ``samples`` and ``system``. The emulator's prefill costs 20 us per uncached token, so the rows/s
 gain is the emulator's model of prefill, not a GPU's: the cached share is what carries over to real
 SGLang (docs/benchmarks.md).
 
@@ -51,7 +53,12 @@ CONCURRENCY = 16  # per server
 POOL_TOKENS = 16_000
 EMULATOR = ["--max-running-requests", str(CONCURRENCY), "--max-total-tokens", str(POOL_TOKENS),
             "--emu-prefill-us-per-token", "20", "--emu-decode-ms-per-step", "1", "--emu-output-tokens", "24"]
-MIXES = ("samples", "system", "unique")
+MIXES = ("samples", "system", "mixed", "unique")
+SYSTEM_PROMPTS = 64
+
+
+# mix -> (cached-token gain, rows/s ratio) prefix / free must reach; 0: reported only
+TARGETS = {"samples": (1.01, 0.0), "system": (1.01, 0.0), "mixed": (1.5, 1.0), "unique": (0.0, 0.95)}
 
 
 def _words(tag: str, n: int) -> str:
@@ -61,17 +68,17 @@ def _words(tag: str, n: int) -> str:
 def _write(path: Path, mix: str, rows: int) -> int:
     """The input of ``mix``; returns the samples per prompt."""
     rng = random.Random(11)
-    systems = [f"You are assistant {k}. " + _words(f"s{k}", 300) for k in range(48)]
-    prompts = rows // 4 if mix == "samples" else rows
+    systems = [f"You are assistant {k}. " + _words(f"s{k}", 300) for k in range(SYSTEM_PROMPTS)]
+    samples = 4 if mix in ("samples", "mixed") else 1
     with open(path, "w") as f:
-        for i in range(prompts):
-            if mix == "system":
+        for i in range(rows // samples):
+            if mix in ("system", "mixed"):
                 messages = [{"role": "system", "content": systems[rng.randrange(len(systems))]},
                             {"role": "user", "content": f"Question {i}: summarise the rules in one line."}]
             else:
                 messages = [{"role": "user", "content": f"Prompt {i}. " + _words(f"p{i}", 400)}]
             f.write(json.dumps({"id": f"r{i:05d}", "messages": messages}) + "\n")
-    return 4 if mix == "samples" else 1
+    return samples
 
 
 def _flush(urls: list[str]) -> None:
@@ -129,12 +136,14 @@ def run(quick: bool) -> list[dict[str, object]]:
             ]
         gain = sum(cached[(mix, "prefix")]) / max(1e-9, sum(cached[(mix, "free")]))
         ratio = sum(speed[(mix, "prefix")]) / sum(speed[(mix, "free")])
-        shared = mix != "unique"
+        cache_target, speed_target = TARGETS[mix]
         out += [
             {"metric": f"{mix}: prefix vs free dispatch, prompt tokens cached", "value": round(gain, 2), "unit": "x",
-             "target": "> 1" if shared else "", "ok": gain > 1 if shared else True, "ratio": round(gain, 2)},
+             "target": f">= {cache_target}" if cache_target else "", "ok": gain >= cache_target,
+             "ratio": round(gain, 2)},
             {"metric": f"{mix}: prefix vs free dispatch, throughput", "value": round(ratio, 2), "unit": "x",
-             "target": "" if shared else ">= 0.9", "ok": True if shared else ratio >= 0.9, "ratio": round(ratio, 2)},
+             "target": f">= {speed_target}" if speed_target else "", "ok": ratio >= speed_target,
+             "ratio": round(ratio, 2)},
         ]
     return out
 

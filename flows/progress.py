@@ -25,7 +25,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 
 from flows.eta import Eta, EtaInputs
-from tasks.inference import ShardProgress
+from tasks.inference import DEFAULT_CONCURRENCY, ShardProgress
 
 __all__ = ["DatasetCounts", "Progress", "artifact_key", "fmt_duration"]
 
@@ -71,14 +71,15 @@ class Progress:
         partition: the run's partition (the artifact key's end).
         datasets: each dataset's input records (rejects included: shard k is a fixed slice).
         shard_size: rows per shard.
-        concurrency: requests in flight (the ETA's model).
+        concurrency: requests in flight (the ETA's model); None until the first shard says how many
+            the run keeps (``ShardProgress.in_flight``: twice the servers' slots by default).
         logger: where the progress lines go.
     """
 
     partition: str
     datasets: Mapping[str, int]
     shard_size: int
-    concurrency: int
+    concurrency: int | None
     logger: logging.Logger | logging.LoggerAdapter[Any]
     flow_run_id: str | None = None
     counts: dict[str, DatasetCounts] = field(default_factory=dict)
@@ -95,7 +96,7 @@ class Progress:
     def __post_init__(self) -> None:
         self.counts = {name: DatasetCounts(n, max(1, math.ceil(n / self.shard_size)))
                        for name, n in self.datasets.items()}
-        self.eta = Eta(self.concurrency)
+        self.eta = Eta(self.concurrency or DEFAULT_CONCURRENCY)
 
     # totals over the datasets ------------------------------------------------------------------
     def total(self, counter: str) -> int:
@@ -202,6 +203,8 @@ class Progress:
             c.completion_tokens += p.completion_tokens
             self.shards_new += 1
             assert self.eta is not None
+            if p.in_flight:
+                self.eta.concurrency = p.in_flight
             self.eta.observe(self.elapsed_s, p.rows_generated, p.latencies_s)
             text = self.describe(p.dataset, p.shard)
             pct = self._percent()

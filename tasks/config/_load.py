@@ -208,7 +208,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         server=server,
         reasoning_parser=parser,
         shard_size=int_from(1, MAX_SHARD_SIZE)(run.get("shard_size", 100), f, "run.shard_size"),
-        concurrency=positive_int(run.get("concurrency", 32), f, "run.concurrency"),
+        concurrency=_concurrency(run.get("concurrency"), f),
         max_relaunches=nonneg_int(run.get("max_relaunches", 3), f, "run.max_relaunches"),
         hygiene_grace_s=nonneg_float(run.get("hygiene_grace_s", 10.0), f, "run.hygiene_grace_s"),
         hang_timeout_s=nonneg_float(run.get("hang_timeout_s", 120.0), f, "run.hang_timeout_s"),
@@ -231,6 +231,14 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
     check_launch(cfg, f)
     check_servers(cfg, f)
     return cfg
+
+
+def _concurrency(value: Any, f: str) -> int | None:
+    """``[run] concurrency``: requests in flight per server; omitted or ``"auto"``: twice the running
+    slots each server reports (SGLang's resolved ``max_running_requests``), 16..1024."""
+    if value is None or value == "auto":
+        return None
+    return positive_int(value, f, "run.concurrency")
 
 
 def _check_truncation(values: Any, f: str, sampling: dict[str, Any]) -> TruncationPolicy:

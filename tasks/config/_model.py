@@ -122,7 +122,7 @@ class PartitionConfig:
     server: ServerSettings
     reasoning_parser: str | None = None
     shard_size: int = 100
-    concurrency: int = 32
+    concurrency: int | None = None  # per server; None: twice the slots the server reports
     max_relaunches: int = 3  # server relaunches per run, one budget shared by all datasets
     sampling: Mapping[str, Any] = field(default_factory=dict)
     truncation: TruncationPolicy = field(default_factory=TruncationPolicy)  # [run.truncation]

@@ -150,7 +150,8 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
                metavar="URL", cli_help="repeatable"),
     RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=int_from(1, MAX_SHARD_SIZE),
                ge=1, le=MAX_SHARD_SIZE, metavar="N"),
-    RunSetting("concurrency", int, "Requests in flight to each server.", "[run] concurrency", check=positive_int, ge=1, metavar="N"),
+    RunSetting("concurrency", int, "Requests in flight to each server; default: twice the running slots the "
+               "server reports (16..1024).", "[run] concurrency", check=positive_int, ge=1, metavar="N"),
     RunSetting("tp_size", int, "GPUs the launched server uses, tensor parallel.", "[server] tp_size",
                check=positive_int, ge=1, metavar="N"),
     RunSetting("mem_fraction_static", float, "SGLang --mem-fraction-static for the first launch of this run: "

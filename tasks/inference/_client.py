@@ -30,6 +30,7 @@ from typing import Any, Literal
 import aiohttp
 import httpx
 import orjson
+import yarl
 
 from tasks.errors import DatagenError
 from tasks.inference._budget import ContextOverflow, capped_sampling
@@ -250,6 +251,7 @@ class GenerateClient:
         self._extensions: dict[str, Any] = {}
         self._httpx_headers: httpx.Headers | None = None
         self._urls: dict[str, httpx.URL] = {}
+        self._yurls: dict[str, yarl.URL] = {}  # the same for aiohttp: a parsed URL per path
         self._headers = {"Content-Type": "application/json"}
         if self.config.api_key:
             self._headers["Authorization"] = f"Bearer {self.config.api_key}"
@@ -260,7 +262,7 @@ class GenerateClient:
             self._aiohttp = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency),
                 timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s),
-                headers=self._headers,
+                headers=self._headers, cookie_jar=aiohttp.DummyCookieJar(),  # SGLang sets no cookies
             )
         elif cfg.transport == "httpx-aiohttp":
             # Optional transport (benchmarked against the default): loaded only when chosen.
@@ -310,7 +312,10 @@ class GenerateClient:
                 finally:
                     await response.aclose()
             if self._aiohttp is not None:
-                async with self._aiohttp.request(method, self.base_url + path, data=body) as resp:
+                yurl = self._yurls.get(path)
+                if yurl is None:
+                    yurl = self._yurls[path] = yarl.URL(self.base_url + path)
+                async with self._aiohttp.request(method, yurl, data=body) as resp:
                     return resp.status, await resp.read()
             if self._httpx is None:
                 raise RuntimeError("GenerateClient used outside `async with`")

@@ -220,7 +220,7 @@ class InferencePool:
             tokens_per_s=shard.completion_tokens / elapsed, retries=retries,
             shards_committed=len(self.committed), shards_total=shards_total,
             dataset_rows_done=done, dataset_rows_total=total, eta_s=eta,
-            latencies_s=tuple(shard.latencies),
+            latencies_s=tuple(shard.latencies), in_flight=self.concurrency,
         )
 
     def _close_slice(self, index: int, expected: int, tg: asyncio.TaskGroup) -> None:

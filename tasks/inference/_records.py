@@ -54,6 +54,7 @@ class ShardProgress:
     dataset_rows_total: int | None  # an estimate until the input was read to the end
     eta_s: float | None
     latencies_s: tuple[float, ...] = ()  # request latency of each row generated in this run
+    in_flight: int = 0  # requests the run keeps in flight (its workers)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
