@@ -123,3 +123,35 @@ def test_server_url_run_two_datasets_lock_and_bad_input(tmp_path: Path, sim_gpus
     assert bad.stderr == f"datagen run: configuration error: override: --input {missing}: no such file\n"
     assert not (tmp_path / "out2").exists()
     assert em.proc.poll() is None and sim_gpus.snapshot() == gpus_before
+
+
+def _peak_in_flight(log: Path) -> int:
+    """The most /generate requests the server held at once, from its request log ('recv RID' on
+    arrival, 'done RID' when answered, in the order they happened)."""
+    held = peak = 0
+    for line in log.read_text().splitlines():
+        event = line.split(maxsplit=1)[0]
+        held += {"recv": 1, "done": -1}.get(event, 0)
+        peak = max(peak, held)
+    return peak
+
+
+def test_requests_in_flight_follow_the_servers_slots_unless_set(tmp_path: Path, sim_gpus: SimGpus,
+                                                                emulator_factory) -> None:
+    # The server reports 24 running slots: with no [run] concurrency datagen keeps twice that in
+    # flight (the old fixed default was 32); --concurrency sets it.
+    log = tmp_path / "requests.log"
+    em = emulator_factory(["--max-running-requests", "24", "--emu-decode-ms-per-step", "20",
+                           "--emu-output-tokens", "40", "--emu-request-log", str(log)])
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i:03d}", "messages": [{"role": "user", "content": f"Q {i}?"}]})
+                           + "\n" for i in range(60)))
+    env = _env(tmp_path)
+    for extra, peak in (([], 48), (["--concurrency", "5"], 5)):
+        log.write_text("")
+        out = tmp_path / f"out-{peak}"
+        proc = subprocess.run([DATAGEN, "run", "--input", str(inp), "--server-url", em.url, "--out", str(out), *extra],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert pq.read_table(sorted((out / "rows").glob("shard-*.parquet")), columns=["id"]).num_rows == 60
+        assert _peak_in_flight(log) == peak
