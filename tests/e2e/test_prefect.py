@@ -40,8 +40,9 @@ def stack(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactor
     base = tmp_path_factory.mktemp("e2e")
     env = prefect_server.env(
         DATAGEN_HOME=str(ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
-        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+        PREFECT_WORKER_PREFETCH_SECONDS="1",
     )
+    env.pop("PREFECT_WORKER_QUERY_SECONDS", None)  # datagen up's own poll (decision 110)
     env.pop("DATAGEN_SIM_GPUS", None)  # the demo partition creates its own under the output
     up = subprocess.run([DATAGEN, "up", "--api-url", prefect_server.api_url], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=240)
@@ -50,6 +51,8 @@ def stack(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactor
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"Prefect UI: {prefect_server.api_url.removesuffix('/api')}" in up.stdout
         worker = json.loads((base / "run" / "worker.pid").read_text())["pid"]
+        # It asks for submitted runs every 2 s, not Prefect's 10 s.
+        assert psutil.Process(worker).environ().get("PREFECT_WORKER_QUERY_SECONDS") == "2"
         yield {"env": env, "base": base, "api": api, "worker": worker}
     finally:
         api.http.close()
