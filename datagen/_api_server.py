@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -75,13 +76,15 @@ def end_orphans(grace_s: float = 5.0) -> list[int]:
     folder = _records_dir()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            entry = json.loads(path.read_text())
-            if entry.get("host") != socket.gethostname() or runrecord.process_alive(entry.get("owner") or {}):
+            data = json.loads(path.read_text())
+            entry, owner = runrecord.ServerEntry.from_json(data), runrecord.Owner.from_json(data.get("owner"))
+            if entry is None or entry.host != socket.gethostname() or (owner is not None and owner.alive()):
                 continue
             if runrecord.end_server(entry, grace_s):
-                ended.append(int(entry["pid"]))
+                ended.append(entry.pid)
             path.unlink(missing_ok=True)
-            Path(str(entry.get("log", ""))).unlink(missing_ok=True)
+            if entry.log:
+                Path(entry.log).unlink(missing_ok=True)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return ended
@@ -241,9 +244,9 @@ def owned_api() -> Iterator[OwnedApi]:
             proc = _spawn(sock, log)
             url = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
         record = folder / f"{proc.pid}.json"
-        entry = {"target": "local", "host": socket.gethostname(), "pid": proc.pid, "pgid": proc.pid,
-                 "started": process_started(proc.pid), "owner": runrecord.owner(), "url": url, "log": str(log)}
-        atomic_write_json(record, entry)
+        entry = runrecord.ServerEntry(pid=proc.pid, pgid=proc.pid, started=process_started(proc.pid),
+                                      host=socket.gethostname(), url=url, log=str(log))
+        atomic_write_json(record, {**entry.to_json(), "owner": dataclasses.asdict(runrecord.Owner.of())})
         os.environ["PREFECT_API_URL"] = url
         os.environ[OWNED_API_ENV] = url  # flows/logs.py: its links live only as long as this command
         try:

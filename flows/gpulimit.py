@@ -153,17 +153,16 @@ def _acquire(names: list[str], timeout_s: float, holders: Callable[[str], str] |
 def slot_holders(name: str, exclude: str | None = None) -> str:
     """Who holds limit ``name``, from the run records of this state directory: host, pid and flow
     run of each run with an unreleased lease on it (not ``exclude``), or a hint when none does."""
-    here = socket.gethostname()
     found = []
-    for run_id, data in runrecord.records():
-        own = data.get("owner") or {}
-        if run_id == exclude or not data.get("lease") or data.get("lease_released"):
+    for run_id, record in runrecord.records():
+        own = record.owner
+        if run_id == exclude or not record.lease or record.lease_released:
             continue
-        if name not in {limit_name(str(t)) for t in data.get("targets") or []}:
+        if name not in {limit_name(t) for t in record.targets or []}:
             continue
-        if own.get("host") == here and not runrecord.process_alive(own):
+        if own is not None and own.here() and not own.alive():
             continue  # dead: the next start releases it
-        found.append(f"host {own.get('host')} pid {own.get('pid')} flow run {run_id}")
+        found.append(f"host {own.host if own else None} pid {own.pid if own else None} flow run {run_id}")
     if found:
         return "held by " + ", ".join(found)
     return ("held by no run on record here (another machine or state directory, or a slot whose lease "

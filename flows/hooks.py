@@ -35,8 +35,8 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     run_id = str(flow_run.id)
     record = runrecord.read(run_id)
     params = dict(getattr(flow_run, "parameters", None) or {})
-    targets = record.get("targets")
-    gpus = record.get("gpus")
+    targets = record.targets
+    gpus = record.gpus
     grace = 5.0
     if targets is None or gpus is None:
         try:
@@ -47,15 +47,15 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         except Exception as exc:
             logger.error("cleanup hook: cannot load the partition config (%s); nothing cleaned", exc)
             return
-    if record.get("shared_server") or params.get("server_url"):
+    if record.shared_server or params.get("server_url"):
         logger.info("cleanup hook (%s): shared server, GPUs are not ours to clean", state.name)
         return
-    if record.get("targets") is not None and not record.get("lease") and not record.get("servers"):
+    if record.targets is not None and not record.lease and not record.servers:
         # The run stopped before it held `gpu:<host>` (e.g. another run holds the output's lock):
         # whatever is on those GPUs belongs to another run, which cleaning would kill.
         logger.info("cleanup hook (%s): the run never held a GPU slot; nothing of ours to clean", state.name)
         return
-    sim = record.get("sim_gpus")
+    sim = record.sim_gpus
     if sim and not os.environ.get("DATAGEN_SIM_GPUS"):
         # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.
         os.environ["DATAGEN_SIM_GPUS"] = sim
@@ -63,21 +63,21 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     # This run's local servers, recorded as soon as each process existed (a server still loading
     # included): ended by process group once their pid and start time are checked, never by a
     # bare pgid that may name another session by now. Remote ones go to hygiene as extra_pids.
-    for entry in record.get("servers", []):
-        if entry.get("target", "local") == "local" and entry.get("state") not in ("stopped", "ended", "gone"):
+    for entry in record.servers:
+        if entry.local and not entry.done:
             ended = runrecord.end_server(entry, grace)
             if ended:
-                logger.info("cleanup hook: ended server pid %s (process group %s)", entry["pid"], entry.get("pgid"))
-                lines += [f"server pid {entry['pid']} (process group {entry.get('pgid')}): ended", ""]
-            runrecord.update_server(run_id, int(entry["pid"]), state="ended" if ended else "gone")
+                logger.info("cleanup hook: ended server pid %s (process group %s)", entry.pid, entry.pgid)
+                lines += [f"server pid {entry.pid} (process group {entry.pgid}): ended", ""]
+            runrecord.server_state(run_id, entry.pid, "ended" if ended else "gone", entry.target)
     for target in targets:
         pids = tuple(
-            int(s["pgid"] or s["pid"]) for s in record.get("servers", [])
-            if s.get("target") == target and target != "local" and s.get("state") not in ("stopped", "ended")
+            s.pgid or s.pid for s in record.servers
+            if s.target == target and target != "local" and s.state not in ("stopped", "ended")
         )
         try:
             # Each target's own servers' GPUs when recorded (several servers per run), else the run's.
-            mine = (record.get("target_gpus") or {}).get(target, gpus)
+            mine = record.target_gpus.get(target, gpus)
             report = clean_gpus(target=target, gpus=list(mine), grace_s=grace, extra_pids=pids)
             report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # the run said it once
             summary = report.summary()
@@ -87,19 +87,19 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level = logger.info if verdict == "clean" else logger.error
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
-    lease = None if record.get("lease_released") else record.get("lease")  # gpu_slots let it go on the way out
+    lease = None if record.lease_released else record.lease  # gpu_slots let it go on the way out
     released = False
     if lease:
         released = release_lease(lease)
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
-    partition = str(record.get("partition") or Path(str(params.get("partition", "all"))).stem)
+    partition = str(record.partition or Path(str(params.get("partition", "all"))).stem)
     verdicts = [ln.rsplit(": ", 1)[-1] for ln in lines if ln.startswith("## ")]
     verdict = "CLEAN" if verdicts and all(v == "clean" for v in verdicts) else "NOT CLEAN" if verdicts else "NOTHING"
     _artifact(flow_run.id, "\n".join(lines), logger, key=artifact_key("hygiene-cleanup", partition),
               description=f"{verdict}: GPU hygiene after {state.name} ({partition})")
-    # lease_released: the next run on this host need not try it again (runrecord.release_dead_leases).
-    runrecord.update(run_id, cleanup={"state": state.name, "done": True}, **({"lease_released": True} if lease and released else {}))
+    # A released lease: the next run on this host need not try it again (runrecord.release_dead_leases).
+    runrecord.cleaned(run_id, state.name, released=bool(lease and released))
 
 
 def _artifact(flow_run_id: Any, markdown: str, logger: Any, key: str, description: str) -> None:

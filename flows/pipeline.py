@@ -81,7 +81,7 @@ def gpu_hosts(ctx: RunContext) -> Iterator[None]:
     if targets:
         _reclaim_dead_runs(ctx)
     with gpu_slots(targets, on_lease=_record_lease(ctx.run_id),
-                   on_release=lambda: runrecord.update(ctx.run_id, lease_released=True),
+                   on_release=lambda: runrecord.lease_released(ctx.run_id),
                    holders=lambda name: slot_holders(name, exclude=ctx.run_id)):
         yield
 
@@ -146,7 +146,7 @@ def _finish(outcome: Outcome, error: BaseException | None) -> None:
                             max_relaunches=ctx.cfg.max_relaunches * max(1, len(fleet.members)),
                             price=ctx.cfg.price_per_gpu_hour, reason=reason)
     try:
-        runrecord.update(ctx.run_id, summary=summary.to_dict())
+        runrecord.summarised(ctx.run_id, summary.to_dict())
         summary.publish()
     except Exception as exc:  # observability must never fail the run (nor hide its error)
         logger.warning("run summary artifact not created: %s", exc)
@@ -156,7 +156,7 @@ def _finish(outcome: Outcome, error: BaseException | None) -> None:
 def _record_lease(run_id: str | None) -> Callable[[str], None]:
     """``on_lease`` of gpu_slots: the lease and the process holding it, in the run record."""
     def record(lease: str) -> None:
-        runrecord.update(run_id, lease=lease, owner=runrecord.owner(), lease_released=False)
+        runrecord.lease_taken(run_id, lease)
 
     return record
 
@@ -171,7 +171,7 @@ def _reclaim_dead_runs(ctx: RunContext) -> None:
         logger.warning("released gpu slot lease %s of a dead run on this host", lease)
     for dead_run, entry in runrecord.end_dead_servers(exclude=ctx.run_id, grace_s=ctx.cfg.hygiene_grace_s):
         logger.warning("ended server pid %s (process group %s) of dead run %s on this host",
-                       entry["pid"], entry.get("pgid") or entry["pid"], dead_run)
+                       entry.pid, entry.pgid or entry.pid, dead_run)
     pruned = runrecord.prune(exclude=ctx.run_id)
     if pruned:
         logger.info("removed %d run record(s) of finished runs older than %g days from %s", len(pruned),

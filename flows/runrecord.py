@@ -1,20 +1,29 @@
 """What a flow run started, on disk, so its state hooks and the next run on this host can clean it.
 
-``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` holds the run's targets, simulated-GPU file, slot
-lease, its own process (``owner``: host, pid, start time) and every server it launched (target,
-pid, process group, start time), recorded the moment each process exists. A hook reads it to clean
-exactly those; a new run on the same host releases the leases (:func:`release_dead_leases`) and ends
-the local servers (:func:`end_dead_servers`) of recorded runs whose flow process is dead.
+``$DATAGEN_STATE_DIR/runs/<flow_run_id>.json`` holds one :class:`RunRecord`: the run's targets and
+GPUs, simulated-GPU file, slot lease, its own process (``owner``: host, pid, start time) and every
+server it launched (:class:`ServerEntry`: target, pid, process group, start time, state), each
+recorded the moment the process exists. A hook reads it to clean exactly those; a new run on the
+same host releases the leases (:func:`release_dead_leases`) and ends the local servers
+(:func:`end_dead_servers`) of recorded runs whose flow process is dead.
+
+The record is written only by the named changes of this module (:func:`planned`,
+:func:`lease_taken`, :func:`lease_released`, :func:`server_started`, :func:`server_ready`,
+:func:`server_state`, :func:`cleaned`, :func:`summarised`), each a read-modify-write under one lock.
+It holds what recovery needs and the run's summary (``datagen status``, a post-mortem); reports
+live in artifacts, not here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +32,169 @@ from tasks.files import atomic_write_json
 from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
 
 __all__ = [
-    "add_server",
+    "RECORD_KEEP_DAYS",
+    "Owner",
+    "RunRecord",
+    "ServerEntry",
+    "cleaned",
     "dead_runs",
     "end_dead_servers",
     "end_server",
-    "owner",
-    "process_alive",
+    "lease_released",
+    "lease_taken",
+    "planned",
     "prune",
     "read",
     "records",
     "release_dead_leases",
-    "update",
-    "update_server",
+    "server_ready",
+    "server_started",
+    "server_state",
+    "summarised",
 ]
+
+# A server that needs nothing more: stopped by its run, ended by a hook or a later run, or gone.
+DONE_STATES = ("stopped", "ended", "gone")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process as recorded: host name, pid and start time (None: unknown)."""
+
+    host: str
+    pid: int
+    started: float | None = None
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> Owner:
+        """This process (or ``pid``) on this host."""
+        pid = os.getpid() if pid is None else pid
+        return cls(socket.gethostname(), pid, process_started(pid))
+
+    @classmethod
+    def from_json(cls, data: Any) -> Owner | None:
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            started = data.get("started")
+            return cls(str(data.get("host", "")), int(data["pid"]), float(started) if started is not None else None)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        """Whether the process still runs: same pid and same start time (a reused pid is another
+        process); without a start time it is judged by its pid alone."""
+        return same_process(ProcessIdentity(self.pid, self.started))
+
+    def here(self) -> bool:
+        return self.host == socket.gethostname()
+
+
+@dataclass
+class ServerEntry:
+    """A server process a run launched (or an API server a command started)."""
+
+    pid: int
+    target: str = "local"
+    pgid: int | None = None
+    started: float | None = None  # the local process's start time: what ``end_server`` checks
+    host: str = ""
+    state: str | None = None  # starting | ready | stopped | ended | gone (None: recorded before states were)
+    url: str | None = None
+    log: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> ServerEntry | None:
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            pgid, started = data.get("pgid"), data.get("started")
+            return cls(pid=int(data["pid"]), target=str(data.get("target") or "local"),
+                       pgid=int(pgid) if pgid is not None else None,
+                       started=float(started) if started is not None else None,
+                       host=str(data.get("host") or ""), state=data.get("state"), url=data.get("url"),
+                       log=data.get("log"))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def local(self) -> bool:
+        return self.target == "local"
+
+    @property
+    def done(self) -> bool:
+        return self.state in DONE_STATES
+
+
+@dataclass
+class RunRecord:
+    """One flow run's record (the module docstring); absent fields are None/empty."""
+
+    partition: str | None = None
+    targets: list[str] | None = None  # None: the run stopped before it planned its servers
+    out_dir: str | None = None
+    sim_gpus: str | None = None
+    shared_server: bool = False
+    gpus: list[int] | None = None
+    target_gpus: dict[str, list[int]] = field(default_factory=dict)
+    owner: Owner | None = None  # the flow process holding the lease
+    lease: str | None = None
+    lease_released: bool = False
+    servers: list[ServerEntry] = field(default_factory=list)
+    cleanup: str | None = None  # the state the cleanup hook ran for
+    summary: dict[str, Any] | None = None  # flows.summary.RunSummary.to_dict()
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunRecord:
+        cleanup = data.get("cleanup")
+        targets, gpus = data.get("targets"), data.get("gpus")
+        return cls(
+            partition=data.get("partition"),
+            targets=[str(t) for t in targets] if isinstance(targets, list) else None,
+            out_dir=data.get("out_dir"), sim_gpus=data.get("sim_gpus"),
+            shared_server=bool(data.get("shared_server")),
+            gpus=[int(g) for g in gpus] if isinstance(gpus, list) else None,
+            target_gpus={str(t): [int(g) for g in gs] for t, gs in (data.get("target_gpus") or {}).items()},
+            owner=Owner.from_json(data.get("owner")),
+            lease=str(data["lease"]) if data.get("lease") else None,
+            lease_released=bool(data.get("lease_released")),
+            servers=[e for e in map(ServerEntry.from_json, data.get("servers") or []) if e is not None],
+            cleanup=cleanup.get("state") if isinstance(cleanup, Mapping) else None,
+            summary=data.get("summary") if isinstance(data.get("summary"), dict) else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "partition": self.partition, "targets": self.targets, "out_dir": self.out_dir,
+            "sim_gpus": self.sim_gpus, "shared_server": self.shared_server, "gpus": self.gpus,
+            "target_gpus": self.target_gpus,
+            "owner": dataclasses.asdict(self.owner) if self.owner is not None else None,
+            "lease": self.lease, "lease_released": self.lease_released,
+            "servers": [s.to_json() for s in self.servers],
+            "cleanup": {"state": self.cleanup, "done": True} if self.cleanup is not None else None,
+            "summary": self.summary,
+        }
+        return {k: v for k, v in data.items() if v is not None}
+
+    def server(self, pid: int, target: str | None = None) -> ServerEntry | None:
+        """The last recorded server with this pid (and target, when given: hosts may share pids)."""
+        for s in reversed(self.servers):
+            if s.pid == pid and (target is None or s.target == target):
+                return s
+        return None
+
+    def finished(self) -> bool:
+        """Whether it asks nothing more of anyone: its flow process is dead (or it names none), its
+        slot lease was released (or it took none) and every local server it launched was stopped,
+        ended or is gone."""
+        if self.owner is not None and self.owner.here() and self.owner.alive():
+            return False
+        if self.lease and not self.lease_released:
+            return False
+        return all(s.done for s in self.servers if s.local)
 
 
 # Server sessions run in threads of one flow process: each read-modify-write of a record holds this.
@@ -46,21 +205,23 @@ def _path(flow_run_id: str) -> Path:
     return state_dir() / "runs" / f"{flow_run_id}.json"
 
 
-def read(flow_run_id: str) -> dict[str, Any]:
-    """The record of ``flow_run_id`` ({} when missing or unreadable)."""
+def read(flow_run_id: str) -> RunRecord:
+    """The record of ``flow_run_id`` (an empty one when missing or unreadable)."""
     try:
         data = json.loads(_path(flow_run_id).read_text())
-        return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
-        return {}
+        return RunRecord()
+    return RunRecord.from_json(data) if isinstance(data, dict) else RunRecord()
 
 
-def update(flow_run_id: str | None, **fields: Any) -> None:
-    """Merge ``fields`` into the record and write it durably. ``servers`` entries are appended.
+def _write(flow_run_id: str, record: RunRecord) -> None:
+    path = _path(flow_run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, record.to_json(), indent=1)
 
-    Args:
-        flow_run_id: the run (None or "": nothing is recorded).
-        fields: top-level keys to set.
+
+def _change(flow_run_id: str | None, change: Callable[[RunRecord], object]) -> None:
+    """Apply ``change`` to the record and write it durably (None or "": nothing is recorded).
 
     Raises:
         OSError: the record cannot be written.
@@ -68,130 +229,124 @@ def update(flow_run_id: str | None, **fields: Any) -> None:
     if not flow_run_id:
         return
     with _LOCK:
-        data = read(flow_run_id)
-        servers = data.get("servers", [])
-        for s in fields.pop("servers", []):
-            servers.append(s)
-        data.update(fields)
-        data["servers"] = servers
-        _write(flow_run_id, data)
+        record = read(flow_run_id)
+        change(record)
+        _write(flow_run_id, record)
 
 
-def _write(flow_run_id: str, data: dict[str, Any]) -> None:
-    path = _path(flow_run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, data, indent=1)
+# -- the changes ------------------------------------------------------------------------------------
+
+def planned(flow_run_id: str | None, *, partition: str, targets: list[str], out_dir: str, sim_gpus: str | None,
+            shared_server: bool, gpus: list[int], target_gpus: dict[str, list[int]]) -> None:
+    """The run's plan: where it writes and which targets and GPUs it may use (the hook cleans those)."""
+    def change(r: RunRecord) -> None:
+        r.partition, r.targets, r.out_dir, r.sim_gpus = partition, list(targets), out_dir, sim_gpus
+        r.shared_server, r.gpus, r.target_gpus = shared_server, list(gpus), dict(target_gpus)
+    _change(flow_run_id, change)
 
 
-def add_server(flow_run_id: str | None, target: str, pid: int, pgid: int) -> None:
-    """Record a server process the moment it exists (``on_started``): target, pid, process group
+def lease_taken(flow_run_id: str | None, lease: str, owner: Owner | None = None) -> None:
+    """The run holds the ``gpu:<host>`` slots under ``lease``, from this process (or ``owner``)."""
+    def change(r: RunRecord) -> None:
+        r.lease, r.owner, r.lease_released = lease, owner or Owner.of(), False
+    _change(flow_run_id, change)
+
+
+def lease_released(flow_run_id: str | None) -> None:
+    """The lease was released: nobody need try again."""
+    _change(flow_run_id, lambda r: setattr(r, "lease_released", True))
+
+
+def server_started(flow_run_id: str | None, target: str, pid: int, pgid: int) -> None:
+    """A server process exists (``on_started``): recorded before it is ready, with its process group
     and, for a local one, its start time (what :func:`end_server` checks before signalling)."""
-    started = process_started(pid) if target == "local" else None
-    update(flow_run_id, servers=[{"target": target, "pid": pid, "pgid": pgid, "started": started,
-                                  "host": socket.gethostname(), "state": "starting"}])
+    entry = ServerEntry(pid=pid, target=target, pgid=pgid, started=process_started(pid) if target == "local" else None,
+                        host=socket.gethostname(), state="starting")
+    _change(flow_run_id, lambda r: r.servers.append(entry))
 
 
-def update_server(flow_run_id: str | None, pid: int, **fields: Any) -> None:
-    """Merge ``fields`` (url, log, state...) into the recorded server with this pid (appended when
-    there is none, e.g. a record written before servers were recorded at start)."""
-    if not flow_run_id:
-        return
-    with _LOCK:
-        data = read(flow_run_id)
-        servers = data.setdefault("servers", [])
-        for s in reversed(servers):
-            # Servers on several hosts may share a pid: the target tells them apart when given.
-            if s.get("pid") == pid and ("target" not in fields or s.get("target") in (None, fields["target"])):
-                s.update(fields)
-                break
-        else:
-            servers.append({"pid": pid, **fields})
-        _write(flow_run_id, data)
+def server_ready(flow_run_id: str | None, pid: int, *, target: str, pgid: int, url: str, log: str) -> None:
+    """The server answers at ``url`` (appended when not recorded at start)."""
+    def change(r: RunRecord) -> None:
+        entry = r.server(pid, target) or r.server(pid)
+        if entry is None:
+            entry = ServerEntry(pid=pid, target=target, host=socket.gethostname())
+            r.servers.append(entry)
+        entry.target, entry.pgid, entry.url, entry.log, entry.state = target, pgid, url, log, "ready"
+    _change(flow_run_id, change)
 
 
-def owner(pid: int | None = None) -> dict[str, Any]:
-    """This process (or ``pid``) as recorded: host name, pid and start time."""
-    pid = os.getpid() if pid is None else pid
-    return {"host": socket.gethostname(), "pid": pid, "started": process_started(pid)}
+def server_state(flow_run_id: str | None, pid: int, state: str, target: str | None = None) -> None:
+    """The recorded server with this pid (and target) is ``state`` now: stopped, ended or gone."""
+    def change(r: RunRecord) -> None:
+        entry = r.server(pid, target)
+        if entry is not None:
+            entry.state = state
+    _change(flow_run_id, change)
 
 
-def process_alive(entry: dict[str, Any]) -> bool:
-    """Whether the process an ``owner()`` entry names still runs: same pid and same start time (a
-    reused pid is another process). An entry without a start time is judged by its pid alone."""
-    try:
-        identity = ProcessIdentity(int(entry["pid"]), entry.get("started"))
-    except (KeyError, TypeError, ValueError):
-        return False
-    return same_process(identity)
+def cleaned(flow_run_id: str | None, state: str, released: bool) -> None:
+    """The cleanup hook ran for the run's final ``state``; ``released``: it released the lease."""
+    def change(r: RunRecord) -> None:
+        r.cleanup = state
+        r.lease_released = r.lease_released or released
+    _change(flow_run_id, change)
 
 
-def _records() -> Iterator[tuple[str, dict[str, Any]]]:
+def summarised(flow_run_id: str | None, summary: dict[str, Any]) -> None:
+    """The run's summary (``RunSummary.to_dict()``)."""
+    _change(flow_run_id, lambda r: setattr(r, "summary", summary))
+
+
+# -- readers and recovery ---------------------------------------------------------------------------
+
+def records() -> list[tuple[str, RunRecord]]:
+    """Every run record of this state directory: ``(flow_run_id, record)``."""
     folder = state_dir() / "runs"
     if not folder.is_dir():
-        return
-    for path in sorted(folder.glob("*.json")):
-        data = read(path.stem)
-        if data:
-            yield path.stem, data
+        return []
+    return [(path.stem, read(path.stem)) for path in sorted(folder.glob("*.json"))]
 
 
-def records() -> list[tuple[str, dict[str, Any]]]:
-    """Every run record of this state directory: ``(flow_run_id, record)``."""
-    return list(_records())
-
-
-def dead_runs(exclude: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+def dead_runs(exclude: str | None = None) -> list[tuple[str, RunRecord]]:
     """Records of runs started on this machine whose flow process is dead (not ``exclude``)."""
-    host = socket.gethostname()
-    found = []
-    for run_id, data in _records():
-        own = data.get("owner")
-        if run_id == exclude or not isinstance(own, dict) or own.get("host") != host:
-            continue
-        if not process_alive(own):
-            found.append((run_id, data))
-    return found
+    return [(run_id, r) for run_id, r in records()
+            if run_id != exclude and r.owner is not None and r.owner.here() and not r.owner.alive()]
 
 
 def release_dead_leases(release: Callable[[str], bool], exclude: str | None = None) -> list[str]:
     """Release the ``gpu:<host>`` slot leases held by dead runs of this machine (see the module
-    docstring); each one ``release`` really released is marked ``lease_released``, so it is not
-    tried again. Returns the leases released. Never raises."""
+    docstring); each one ``release`` really released is marked released, so it is not tried again.
+    Returns the leases released. Never raises."""
     released = []
-    for run_id, data in dead_runs(exclude):
-        lease = data.get("lease")
-        if not lease or data.get("lease_released"):
+    for run_id, record in dead_runs(exclude):
+        if not record.lease or record.lease_released:
             continue
         try:
-            ok = release(str(lease))
+            ok = release(record.lease)
         except Exception:
             ok = False
         if ok:
-            update(run_id, lease_released=True)
-            released.append(str(lease))
+            lease_released(run_id)
+            released.append(record.lease)
     return released
 
 
-def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
+def end_server(entry: ServerEntry, grace_s: float = 5.0) -> bool:
     """End a recorded local server by process group (``tasks.procs.terminate_group``).
 
     Only when its pid is still the recorded process (same start time) and still leads the recorded
     group, both checked once before the first signal. Returns whether it was ended (False: not the
     recorded process any more, nothing to do). Raises nothing; a group it cannot signal is left to
     hygiene.
-
-    Args:
-        entry: a ``servers`` entry of a record (target, pid, pgid, started).
-        grace_s: seconds between SIGTERM and SIGKILL.
     """
-    if entry.get("target", "local") != "local" or entry.get("started") is None:
+    if not entry.local or entry.started is None:
         return False  # no start time: a reused pid cannot be told apart, so never signal it
-    pid = int(entry["pid"])
-    pgid = int(entry.get("pgid") or pid)
-    if not process_alive(entry):
+    pgid = entry.pgid or entry.pid
+    if not same_process(ProcessIdentity(entry.pid, entry.started)):
         return False
     try:
-        if os.getpgid(pid) != pgid:  # the leader left its group: not the recorded server any more
+        if os.getpgid(entry.pid) != pgid:  # the leader left its group: not the recorded server any more
             return False
     except OSError:
         return False
@@ -201,29 +356,23 @@ def end_server(entry: dict[str, Any], grace_s: float = 5.0) -> bool:
     return True
 
 
-def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
+def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[tuple[str, ServerEntry]]:
     """End the recorded local servers of this machine's dead runs (see the module docstring), each
-    marked ``state = "ended"`` (or ``"gone"`` when it was not running) so it is looked at once.
-    Returns ``(run_id, entry)`` for each server ended. Never raises."""
+    marked ended (or gone when it was not running) so it is looked at once. Returns
+    ``(run_id, entry)`` for each server ended. Never raises."""
     ended = []
-    for run_id, data in dead_runs(exclude):
-        servers = data.get("servers") or []
-        changed = False
-        for entry in servers:
-            if entry.get("state") in ("ended", "gone", "stopped") or entry.get("target", "local") != "local":
+    for run_id, record in dead_runs(exclude):
+        for entry in record.servers:
+            if entry.done or not entry.local:
                 continue
             try:
                 done = end_server(entry, grace_s)
             except Exception:
                 continue
-            entry["state"] = "ended" if done else "gone"
-            changed = True
+            # Into the latest record: a hook may have written meanwhile.
+            server_state(run_id, entry.pid, "ended" if done else "gone", entry.target)
             if done:
                 ended.append((run_id, entry))
-        if changed:
-            fresh = read(run_id)  # merge into the latest record: a hook may have written meanwhile
-            fresh["servers"] = servers
-            _write(run_id, fresh)
     return ended
 
 
@@ -231,24 +380,11 @@ RECORD_KEEP_DAYS = 14.0  # a finished run's record is kept this long (for `datag
 RECORD_KEEP_LAST = 100  # and the newest this many records are kept whatever their age
 
 
-def finished(data: dict[str, Any]) -> bool:
-    """Whether a record asks nothing more of anyone: its flow process is dead (or it names none), its
-    slot lease was released (or it took none) and every local server it launched was stopped, ended
-    or is gone."""
-    own = data.get("owner")
-    if isinstance(own, dict) and own.get("host") == socket.gethostname() and process_alive(own):
-        return False
-    if data.get("lease") and not data.get("lease_released"):
-        return False
-    return all(s.get("state") in ("ended", "gone", "stopped") for s in data.get("servers") or []
-               if isinstance(s, dict) and s.get("target", "local") == "local")
-
-
 def prune(exclude: str | None = None, *, keep_days: float = RECORD_KEEP_DAYS, keep_last: int = RECORD_KEEP_LAST,
           now: float | None = None) -> list[str]:
-    """Delete the records of finished runs (``finished``) older than ``keep_days`` (by the record's
-    modification time), beyond the newest ``keep_last``; ``exclude`` (this run) is never deleted.
-    Returns the run ids deleted. Never raises."""
+    """Delete the records of finished runs (``RunRecord.finished``) older than ``keep_days`` (by the
+    record's modification time), beyond the newest ``keep_last``; ``exclude`` (this run) is never
+    deleted. Returns the run ids deleted. Never raises."""
     folder = state_dir() / "runs"
     try:
         paths = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -261,9 +397,10 @@ def prune(exclude: str | None = None, *, keep_days: float = RECORD_KEEP_DAYS, ke
             if path.stem == exclude or path.stat().st_mtime >= cutoff:
                 continue
             with _LOCK:
-                if finished(read(path.stem)):
+                if read(path.stem).finished():
                     path.unlink()
                     deleted.append(path.stem)
         except OSError:
             continue
     return deleted
+

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,10 @@ __all__ = [
 ]
 
 
+# The launch artifact of each server of this process's runs, ``(run id, pid) -> (artifact id, its
+# markdown)``: rewritten to lead with the death when that server dies (server threads share it).
+_LAUNCH_ARTIFACTS: dict[tuple[str | None, int], tuple[UUID, str]] = {}
+_LAUNCH_ARTIFACTS_LOCK = threading.Lock()
 LOW_HEADROOM_GIB = 1.0  # GPU memory left after graph capture below which a long prefill batch may OOM
 
 
@@ -158,7 +163,7 @@ def prepare_run(cfg: PartitionConfig, flow_run_id: str | None) -> RunPlan:
     target_gpus: dict[str, list[int]] = {}
     for slot in cfg.servers():
         target_gpus.setdefault(slot.target, []).extend(cfg.for_server(slot).server_gpus())
-    runrecord.update(
+    runrecord.planned(
         flow_run_id, partition=cfg.name, targets=list(cfg.targets), out_dir=str(out),
         sim_gpus=sim, shared_server=cfg.server_url is not None,
         gpus=sorted({g for gpus in target_gpus.values() for g in gpus}) or cfg.server_gpus(),
@@ -276,13 +281,13 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "") -> Server
     def on_started(pid: int, pgid: int) -> None:
         # Recorded before readiness: a flow SIGKILLed while this server loads leaves it running,
         # and the next run ends it from this record (runrecord.end_dead_servers).
-        runrecord.add_server(ctx.run_id, ctx.target, pid, pgid)
+        runrecord.server_started(ctx.run_id, ctx.target, pid, pgid)
 
     pinned = ctx.explicit_fraction if attempt == 1 else None
     handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
                                   on_started=on_started, pinned=pinned)
-    runrecord.update_server(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
-                            log=str(handle.log_path), state="ready")
+    runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
+                           log=str(handle.log_path))
     relaunch = f"relaunch {attempt - 1}/{cfg.max_relaunches} after {reason}" if attempt > 1 else ""
     start = relaunch or _start_source(report)
     headroom = handle.headroom_gib
@@ -301,9 +306,9 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "") -> Server
                          description=f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
                                      f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
                                      + (f" ({relaunch})" if relaunch else ""))
-    if artifact is not None:
-        with contextlib.suppress(OSError):  # the record is for recovery; the artifact is a nicety
-            runrecord.update_server(ctx.run_id, handle.pid, artifact=str(artifact), artifact_text="\n".join(lines))
+    if artifact is not None:  # kept to be rewritten should this server die (_mark_launch_died)
+        with _LAUNCH_ARTIFACTS_LOCK:
+            _LAUNCH_ARTIFACTS[(ctx.run_id, handle.pid)] = (artifact, "\n".join(lines))
     logger.info("server up on %s at %s: %s (headroom %s GiB; start: %s)", ctx.host, handle.url, report.summary(),
                 headroom, start)
     if low:
@@ -385,13 +390,15 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
 def _mark_launch_died(run_id: str, pid: int, why: str) -> None:
     """Rewrite the launch artifact of the server ``pid`` to lead with its death (the run record
     keeps the artifact's id and text)."""
-    entry = next((s for s in runrecord.read(run_id).get("servers", []) if s.get("pid") == pid), None)
-    if not entry or not entry.get("artifact"):
+    with _LAUNCH_ARTIFACTS_LOCK:
+        known = _LAUNCH_ARTIFACTS.pop((run_id, pid), None)
+    if known is None:
         return
-    text = f"**DIED** during the run ({why}); the server was relaunched or the run stopped.\n\n" + entry["artifact_text"]
+    artifact, lines = known
+    text = f"**DIED** during the run ({why}); the server was relaunched or the run stopped.\n\n" + lines
     try:
         with get_client(sync_client=True) as client:
-            client.update_artifact(entry["artifact"], ArtifactUpdate(data=text, description=f"DIED: {why}"[:200]))
+            client.update_artifact(artifact, ArtifactUpdate(data=text, description=f"DIED: {why}"[:200]))
     except Exception as exc:  # observability must never fail the run
         get_run_logger().warning("launch artifact of pid %s not updated: %s", pid, exc)
 
@@ -405,7 +412,7 @@ def stop(ctx: RunContext, handle: ServerHandle) -> None:
     """
     stop_server(handle)
     with contextlib.suppress(OSError):  # the record is for recovery; a stopped server needs none
-        runrecord.update_server(ctx.run_id, handle.pid, state="stopped")
+        runrecord.server_state(ctx.run_id, handle.pid, "stopped", ctx.target)
     get_run_logger().info("server on %s (pid %s) stopped", ctx.host, handle.pid)
 
 

@@ -4,6 +4,7 @@ partition's server GPUs (another job on another GPU is spared)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -49,8 +50,9 @@ def test_crash_hook_ends_the_recorded_server_and_spares_other_gpus(
     server = _hold(1, procs, session=True)  # stands in for a server still loading on its GPU
     other = _hold(5, procs)  # the same user's job on a GPU the partition's server does not use
     run_id = str(uuid.uuid4())
-    runrecord.update(run_id, targets=["local"], gpus=[0, 1], lease=None, owner=runrecord.owner(server.pid + 10**6))
-    runrecord.add_server(run_id, "local", server.pid, server.pid)
+    runrecord.planned(run_id, partition="demo", targets=["local"], out_dir=str(tmp_path / "out"), sim_gpus=None,
+                      shared_server=False, gpus=[0, 1], target_gpus={"local": [0, 1]})
+    runrecord.server_started(run_id, "local", server.pid, server.pid)
     flow_run = SimpleNamespace(id=run_id, name="crashed-run", parameters={"partition": "demo"}, deployment_id=None)
     hooks.cleanup_hook(SimpleNamespace(name="datagen"), flow_run, SimpleNamespace(name="Crashed"))
 
@@ -61,6 +63,8 @@ def test_crash_hook_ends_the_recorded_server_and_spares_other_gpus(
     assert "`: clean" in md and "holds selected" not in md  # the server was ended before hygiene ran
     assert f"spare pid {other.pid} (" in md and "holds only unselected GPU(s) 5" in md
     rec = runrecord.read(run_id)
-    assert rec["servers"][0]["state"] == "ended" and rec["cleanup"] == {"state": "Crashed", "done": True}
+    assert rec.servers[0].state == "ended" and rec.cleanup == "Crashed"
+    on_disk = json.loads((tmp_path / "state" / "runs" / f"{run_id}.json").read_text())
+    assert on_disk["cleanup"] == {"state": "Crashed", "done": True}  # as earlier versions wrote it
     used = [g["used_mib"] for g in sim_gpus.snapshot()["gpus"]]
     assert used == [0, 0, 0, 0, 0, 20000, 0, 0]

@@ -1,7 +1,11 @@
-"""flows.runrecord: which recorded runs count as dead, and whose slot leases a new run releases."""
+"""flows.runrecord: which recorded runs count as dead, and whose slot leases a new run releases.
+
+Records are planted as the JSON a run (of this or an earlier version) left on disk."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -11,21 +15,30 @@ from pathlib import Path
 import pytest
 
 from flows import runrecord
+from tasks.config import state_dir
+
+
+def _plant(run_id: str, **fields: object) -> None:
+    """A record on disk as a run left it (``owner``/``servers`` as JSON objects)."""
+    path = state_dir() / "runs" / f"{run_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fields))
 
 
 def test_release_dead_leases_only_of_dead_runs_on_this_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid names no process now
-    me = runrecord.owner()
-    assert me["host"] == socket.gethostname() and me["pid"] == os.getpid() and me["started"]
-    runrecord.update("dead", lease="L-dead", owner=runrecord.owner(gone.pid) | {"started": 1.0, "pid": gone.pid})
-    runrecord.update("reused", lease="L-reused", owner=dict(me, started=me["started"] - 100))  # pid reused
-    runrecord.update("alive", lease="L-alive", owner=me)
-    runrecord.update("elsewhere", lease="L-else", owner={"host": "other-host", "pid": gone.pid, "started": 1.0})
-    runrecord.update("no-lease", owner={"host": me["host"], "pid": gone.pid, "started": 1.0})
-    runrecord.update("no-owner", lease="L-old")  # recorded before owners were: left to expire
-    runrecord.update("me", lease="L-me", owner={"host": me["host"], "pid": gone.pid, "started": 1.0})
+    owner = runrecord.Owner.of()
+    assert owner.host == socket.gethostname() and owner.pid == os.getpid() and owner.started
+    me = dataclasses.asdict(owner)
+    _plant("dead", lease="L-dead", owner={"host": me["host"], "started": 1.0, "pid": gone.pid})
+    _plant("reused", lease="L-reused", owner=dict(me, started=me["started"] - 100))  # pid reused
+    runrecord.lease_taken("alive", "L-alive")  # this process
+    _plant("elsewhere", lease="L-else", owner={"host": "other-host", "pid": gone.pid, "started": 1.0})
+    _plant("no-lease", owner={"host": me["host"], "pid": gone.pid, "started": 1.0})
+    _plant("no-owner", lease="L-old")  # recorded before owners were: left to expire
+    _plant("me", lease="L-me", owner={"host": me["host"], "pid": gone.pid, "started": 1.0})
     asked: list[str] = []
 
     def release(lease: str) -> bool:
@@ -34,11 +47,11 @@ def test_release_dead_leases_only_of_dead_runs_on_this_host(tmp_path: Path, monk
 
     assert runrecord.release_dead_leases(release, exclude="me") == ["L-dead"]
     assert sorted(asked) == ["L-dead", "L-reused"]
-    assert runrecord.read("dead")["lease_released"] is True and "lease_released" not in runrecord.read("reused")
-    assert "lease_released" not in runrecord.read("alive")
+    assert runrecord.read("dead").lease_released and not runrecord.read("reused").lease_released
+    assert runrecord.read("alive") == runrecord.RunRecord(owner=owner, lease="L-alive")
     assert runrecord.release_dead_leases(release, exclude="me") == []  # a released lease is tried once
     assert sorted(asked) == ["L-dead", "L-reused", "L-reused"]
-    assert runrecord.process_alive(me) and not runrecord.process_alive({"pid": gone.pid})
+    assert owner.alive() and not runrecord.Owner(owner.host, gone.pid).alive()
 
 
 def test_end_dead_servers_checks_pid_and_start_time_and_spares_live_runs(
@@ -50,25 +63,25 @@ def test_end_dead_servers_checks_pid_and_start_time_and_spares_live_runs(
     sleepers = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(3)]
     try:
         ours, reused, live_runs = sleepers
-        runrecord.update("dead", owner=dead_owner)
-        runrecord.add_server("dead", "local", ours.pid, ours.pid)
-        runrecord.update("dead-reused", owner=dead_owner)
-        runrecord.add_server("dead-reused", "local", reused.pid, reused.pid)
-        data = runrecord.read("dead-reused")
-        data["servers"][0]["started"] -= 100  # the recorded server died; its pid now names another process
-        runrecord._write("dead-reused", data)
-        runrecord.update("alive", owner=runrecord.owner())
-        runrecord.add_server("alive", "local", live_runs.pid, live_runs.pid)
-        runrecord.update("remote", owner=dead_owner, servers=[{"target": "ssh://h", "pid": 7, "pgid": 7}])
+        _plant("dead", owner=dead_owner)
+        runrecord.server_started("dead", "local", ours.pid, ours.pid)
+        started = runrecord.read("dead").servers[0].started
+        assert started is not None
+        # the recorded server died; its pid now names another process
+        _plant("dead-reused", owner=dead_owner, servers=[{"target": "local", "pid": reused.pid, "pgid": reused.pid,
+                                                           "started": started - 100, "state": "starting"}])
+        runrecord.lease_taken("alive", "L")
+        runrecord.server_started("alive", "local", live_runs.pid, live_runs.pid)
+        _plant("remote", owner=dead_owner, servers=[{"target": "ssh://h", "pid": 7, "pgid": 7}])
 
         ended = runrecord.end_dead_servers(grace_s=2.0)
-        assert [(r, e["pid"]) for r, e in ended] == [("dead", ours.pid)]
+        assert [(r, e.pid) for r, e in ended] == [("dead", ours.pid)]
         assert ours.wait(timeout=5) == -15  # SIGTERM to its process group was enough
         assert reused.poll() is None and live_runs.poll() is None
-        assert runrecord.read("dead")["servers"][0]["state"] == "ended"
-        assert runrecord.read("dead-reused")["servers"][0]["state"] == "gone"
-        assert runrecord.read("alive")["servers"][0]["state"] == "starting"
-        assert "state" not in runrecord.read("remote")["servers"][0]
+        assert runrecord.read("dead").servers[0].state == "ended"
+        assert runrecord.read("dead-reused").servers[0].state == "gone"
+        assert runrecord.read("alive").servers[0].state == "starting"
+        assert runrecord.read("remote").servers[0].state is None
         assert runrecord.end_dead_servers(grace_s=2.0) == []  # each is looked at once
     finally:
         for p in sleepers:
@@ -84,17 +97,17 @@ def test_concurrent_sessions_record_every_server_and_tell_hosts_apart(
     targets = [f"ssh://h{i}" for i in range(8)]
 
     def session(target: str) -> None:
-        runrecord.add_server("run", target, 4242, 4242)
-        runrecord.update_server("run", 4242, target=target, url=f"http://{target[6:]}", state="ready")
+        runrecord.server_started("run", target, 4242, 4242)
+        runrecord.server_ready("run", 4242, target=target, pgid=4242, url=f"http://{target[6:]}", log="l")
 
     threads = [threading.Thread(target=session, args=(t,)) for t in targets]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    servers = runrecord.read("run")["servers"]
-    assert sorted(s["target"] for s in servers) == targets
-    assert all(s["state"] == "ready" and s["url"] == f"http://{s['target'][6:]}" for s in servers)
+    servers = runrecord.read("run").servers
+    assert sorted(s.target for s in servers) == targets
+    assert all(s.state == "ready" and s.url == f"http://{s.target[6:]}" for s in servers)
 
 
 def test_prune_deletes_only_old_finished_records_beyond_the_newest(tmp_path: Path,
@@ -103,14 +116,15 @@ def test_prune_deletes_only_old_finished_records_beyond_the_newest(tmp_path: Pat
     gone = subprocess.Popen(["true"])
     gone.wait()
     dead = {"host": socket.gethostname(), "pid": gone.pid, "started": 1.0}
-    runrecord.update("old-done", owner=dead, lease="L1", lease_released=True,
-                     servers=[{"target": "local", "pid": 1, "state": "stopped"}])
-    runrecord.update("old-no-owner")
-    runrecord.update("old-lease-held", owner=dead, lease="L2", lease_released=False)
-    runrecord.update("old-server-running", owner=dead, servers=[{"target": "local", "pid": 1, "state": "running"}])
-    runrecord.update("old-alive", owner=runrecord.owner())
-    runrecord.update("old-me", owner=dead)
-    runrecord.update("new-done", owner=dead)
+    _plant("old-done", owner=dead, lease="L1", lease_released=True,
+           servers=[{"target": "local", "pid": 1, "state": "stopped"}])
+    _plant("old-no-owner")
+    _plant("old-lease-held", owner=dead, lease="L2", lease_released=False)
+    _plant("old-server-running", owner=dead, servers=[{"target": "local", "pid": 1, "state": "running"}])
+    runrecord.lease_taken("old-alive", "L3")
+    runrecord.lease_released("old-alive")
+    _plant("old-me", owner=dead)
+    _plant("new-done", owner=dead)
     old = 1_000_000.0
     for name in ("old-done", "old-no-owner", "old-lease-held", "old-server-running", "old-alive", "old-me"):
         os.utime(tmp_path / "runs" / f"{name}.json", (old, old))
