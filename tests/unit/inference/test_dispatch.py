@@ -197,8 +197,10 @@ def test_the_samples_of_a_prompt_go_to_one_server_with_prefix_dispatch(
     together = sum(len(where) == 1 for where in where_sent.values())
     if dispatch == "prefix":
         assert together >= 80, together  # all 120 on an idle host; best effort under load
-    else:
-        assert together <= 30, together  # free slots: four samples rarely meet (1/27 by chance)
+    # Free dispatch is not asserted to spread them: when one server's four answers arrive in one
+    # burst (a loaded client), its four freed slots take the next four rows, one prompt's samples
+    # (117 of 120 seen beside another suite). The spread shows where answers interleave (the
+    # emulators of tests/e2e/test_scale_out.py, bench/bench_dispatch.py).
 
 
 def test_a_preferred_server_that_is_busy_never_leaves_another_idle(servers: Servers, tmp_path: Path) -> None:
