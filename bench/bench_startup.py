@@ -3,7 +3,8 @@ emulator (8 rows, `--input ... --backend emulator`) measured side by side in one
 - with no Prefect server anywhere: the run starts its own API server (beside the flow's imports);
 - with PREFECT_API_URL naming a running `prefect server start` (as under `datagen up`).
 For each: the wall time from the process start to the flow's first log line ("Beginning flow run"),
-and the whole command. The difference is what the run's own API server costs.
+and the whole command. The difference is what the run's own API server costs. Beside them, the
+whole `datagen demo` (what `make demo` runs once installed; target 30 s).
 
 Run alone: ``.venv/bin/python bench/bench_startup.py [--quick]`` (rows as JSON lines).
 """
@@ -49,6 +50,21 @@ def _one(tmp: Path, env: dict[str, str], k: int) -> tuple[float, float]:
     return begin - started, whole
 
 
+DEMO_RUNS = 2
+DEMO_TARGET_S = 30.0
+
+
+def _demo(tmp: Path, env: dict[str, str], k: int) -> float:
+    """Seconds for the whole `datagen demo` (what `make demo` runs once installed): its own API
+    server, the emulator on simulated GPUs, 600 rows, validation."""
+    started = time.time()
+    done = subprocess.run([DATAGEN, "demo", "--out", str(tmp / f"demo{k}")], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"datagen demo exited {done.returncode}: {done.stderr[-2000:]}")
+    return time.time() - started
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
     n = 2 if quick else 5
     rows: list[dict[str, Any]] = []
@@ -61,9 +77,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
         try:
             own: list[tuple[float, float]] = []
             shared: list[tuple[float, float]] = []
+            demo: list[float] = []
             for k in range(n):  # alternating, so a busy spell of the machine weighs on both
                 own.append(_one(tmp, base, 2 * k))
                 shared.append(_one(tmp, dict(base, PREFECT_API_URL=server.api_url), 2 * k + 1))
+                if k < DEMO_RUNS:
+                    demo.append(_demo(tmp, base, k))
         finally:
             _stop_group(proc.pid)
             proc.wait(timeout=10)
@@ -75,6 +94,11 @@ def run(quick: bool) -> list[dict[str, Any]]:
                      "ok": True, "note": f"process start to 'Beginning flow run', median of {n}; {note}"})
         rows.append({"metric": f"run_{label}_whole_s", "value": round(whole, 2), "unit": "s", "target": "",
                      "ok": True, "note": f"8 rows on the emulator, median of {n}; {note}"})
+    took = statistics.median(demo)
+    rows.append({"metric": "datagen_demo_whole_s", "value": round(took, 2), "unit": "s",
+                 "target": f"<= {DEMO_TARGET_S:.0f}", "ok": took <= DEMO_TARGET_S,
+                 "note": f"`make demo` once installed (600 rows, own API server), median of {len(demo)}: "
+                         + ", ".join(f"{d:.1f}" for d in demo)})
     return rows
 
 
