@@ -2,11 +2,12 @@
 own cost per row shows (the emulator's HTTP stack hides part of it).
 
     python -m emulator.minimal --port N [--host H] [--latency-ms L] [--slots S] [--tokens T]
-                               [--die-after N]
+                               [--die-after N] [--think]
 
 Raw asyncio protocol, HTTP/1.1 keep-alive, no pipelining. ``POST /generate`` answers SGLang's shape
 (text, meta_info with id, finish_reason, prompt and completion tokens) after ``latency_ms`` with at
-most ``slots`` requests in service at once (0: no wait, no limit); ``--die-after N`` closes the
+most ``slots`` requests in service at once (0: no wait, no limit), its text a ``<think>`` block
+and an answer with ``--think`` (a reasoning model's output); ``--die-after N`` closes the
 listener and every connection at request N+1 (a server that died). GET ``/health``,
 ``/health_generate``, ``/server_info``, ``/model_info`` answer 200; GET ``/occupancy`` answers the
 slot-seconds spent serving, the wall-clock times of the first slot taken and the last answer, and
@@ -35,7 +36,7 @@ class MinimalServer:
     """The server (see the module docstring); ``await start()``, ``await stop()``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, latency_ms: float = 0.0, slots: int = 0,
-                 tokens: int = 16, die_after: int | None = None) -> None:
+                 tokens: int = 16, die_after: int | None = None, think: bool = False) -> None:
         self.host, self.port = host, port
         self.latency_s = latency_ms / 1000.0
         self.slots = slots
@@ -50,7 +51,9 @@ class MinimalServer:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Transport] = set()
         self._sem: asyncio.Semaphore | None = None
-        self._text = "x " * tokens
+        # a reasoning model's answer ends by itself; the plain text fills max_new_tokens
+        self._finish = {"type": "stop", "matched": 151645} if think else {"type": "length", "length": tokens}
+        self._text = f"<think>{'r ' * (tokens // 2)}</think>{'x ' * (tokens - tokens // 2)}" if think else "x " * tokens
 
     @property
     def url(self) -> str:
@@ -93,7 +96,7 @@ class MinimalServer:
         req: dict[str, Any] = orjson.loads(body)
         rid = str(req.get("rid"))
         return orjson.dumps({"text": self._text, "meta_info": {
-            "id": rid, "finish_reason": {"type": "length", "length": self.tokens},
+            "id": rid, "finish_reason": self._finish,
             "prompt_tokens": len(str(req.get("text", ""))) // 4 + 1, "completion_tokens": self.tokens}})
 
     async def delayed(self, conn: _Conn, body: bytes) -> None:
@@ -180,11 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--think", action="store_true")
     a = ap.parse_args(argv)
 
     async def serve() -> None:
         srv = await MinimalServer(a.host, a.port, latency_ms=a.latency_ms, slots=a.slots, tokens=a.tokens,
-                                  die_after=a.die_after).start()
+                                  die_after=a.die_after, think=a.think).start()
         print(f"minimal server on {srv.url}", flush=True)
         await asyncio.Event().wait()
 
