@@ -143,15 +143,15 @@ def test_requests_in_flight_follow_the_servers_slots_unless_set(tmp_path: Path, 
     log = tmp_path / "requests.log"
     em = emulator_factory(["--max-running-requests", "24", "--emu-decode-ms-per-step", "20",
                            "--emu-output-tokens", "40", "--emu-request-log", str(log)])
-    inp = tmp_path / "rows.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"r{i:03d}", "messages": [{"role": "user", "content": f"Q {i}?"}]})
-                           + "\n" for i in range(60)))
     env = _env(tmp_path)
-    for extra, peak in (([], 48), (["--concurrency", "5"], 5)):
+    for extra, peak, rows in (([], 48, 60), (["--concurrency", "5"], 5, 15)):
+        inp = tmp_path / "rows.jsonl"
+        inp.write_text("".join(json.dumps({"id": f"r{i:03d}", "messages": [{"role": "user", "content": f"Q {i}?"}]})
+                               + "\n" for i in range(rows)))
         log.write_text("")
         out = tmp_path / f"out-{peak}"
         proc = subprocess.run([DATAGEN, "run", "--input", str(inp), "--server-url", em.url, "--out", str(out), *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        assert pq.read_table(sorted((out / "rows").glob("shard-*.parquet")), columns=["id"]).num_rows == 60
+        assert pq.read_table(sorted((out / "rows").glob("shard-*.parquet")), columns=["id"]).num_rows == rows
         assert _peak_in_flight(log) == peak
