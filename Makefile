@@ -6,10 +6,15 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu ui-shots
 
+# uv installs from its cache in seconds where pip takes about 50 s (CI starts from a fresh clone);
+# pip does it when uv cannot be had.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	@if $(PY) -m pip install -q uv 2>/dev/null; then \
+	  $(PY) -m uv pip install -q --python $(PY) -e '.[dev]'; \
+	else \
+	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev]'; \
+	fi
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -34,9 +39,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
-# Two pytest-xdist workers, whole files per worker (module fixtures stay shared): most of the e2e
-# time is waiting on servers and runs, so two files at a time use the two cores. TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers, whole files per worker (module fixtures stay shared): much of the e2e
+# time is waiting on servers and runs, and two workers left a quarter of the two cores idle (three:
+# about 5 %; 901 s -> 798-827 s, docs/testing.md). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
