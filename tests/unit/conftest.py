@@ -7,7 +7,9 @@ import pytest
 from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
 
-@pytest.fixture(autouse=True)
+# Per module, not per test: entering temporary_settings rebuilds Prefect's settings (about 60 ms),
+# which was half of `make unit`'s time when paid by each of its 800 tests.
+@pytest.fixture(autouse=True, scope="module")
 def _no_prefect_api_logging() -> Iterator[None]:
     with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
         yield
