@@ -40,10 +40,11 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
-# Three pytest-xdist workers, whole files per worker (module fixtures stay shared): much of the e2e
-# time is waiting on servers and runs, and two workers left a quarter of the two cores idle (three:
-# about 5 %; 901 s -> 798-827 s, docs/testing.md). TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers, whole files per worker (module fixtures stay shared). Three were faster
+# (901 s -> 798-827 s of pytest; a fresh-clone .ci/run in 13.2 min) but met a shard-gate race in
+# tests/e2e/test_reasoning_bug.py once in three runs (docs/testing.md): two until it is fixed.
+# TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
