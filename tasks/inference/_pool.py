@@ -143,6 +143,7 @@ class InferencePool:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datagen-commit")
         # Held from a shard's commit to the end of its gate: no shard commits past a gate that fails.
         self.commit_turn = asyncio.Lock()
+        self.commits_halted = False  # a commit or its gate failed: no later shard commits
 
     # -- shards ------------------------------------------------------------------------------------
 
@@ -187,8 +188,17 @@ class InferencePool:
         generated and journaled meanwhile, but the next shard commits only after this one's gate
         passed, so a gate that stops the run leaves no shard committed after the one it judged."""
         async with self.commit_turn:
-            record = await asyncio.get_running_loop().run_in_executor(self.executor, self._commit_sync, shard)
-            await self._after_commit(shard, record)
+            # The turn is handed to the next waiter as a failing gate's error leaves it, before the
+            # TaskGroup cancels that waiter; a commit already in the committer thread would then finish
+            # regardless. So a turn that ended in an error stops every later commit here.
+            if self.commits_halted:
+                return
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(self.executor, self._commit_sync, shard)
+                await self._after_commit(shard, record)
+            except BaseException:
+                self.commits_halted = True
+                raise
 
     async def _after_commit(self, shard: _OpenShard, record: ShardRecord) -> None:
         self.shards.pop(shard.index, None)

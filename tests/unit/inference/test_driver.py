@@ -121,6 +121,35 @@ def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
     assert_exactly_once(out, ids)
 
 
+def test_a_failing_gate_lets_no_shard_waiting_for_its_turn_commit(tmp_path, emulator):
+    """The first shard's gate fails while the other shards, filled meanwhile, wait for the commit turn:
+    only the judged shard is committed. ciL saw shard 1 committed after shard 0's gate failed: the turn
+    goes to the next waiter before the TaskGroup cancels it, and its commit escapes the cancel when
+    the committer thread takes it first. That last step is a race, so without the fix this test fails
+    only sometimes; with it, never. Rows of the other shards stay journaled."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_input(inp, 48)  # 3 shards of 16, all 48 requests in flight at once
+    before = metrics(emulator.url)["num_requests_total"]
+    judged: list[int] = []
+
+    class Gate(Exception):
+        pass
+
+    def gate(rec):
+        judged.append(rec.index)
+        deadline = time.monotonic() + 30
+        while metrics(emulator.url)["num_requests_total"] - before < 48 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        wait_idle(emulator.url)  # every answer is back: the other shards filled and wait for the turn
+        time.sleep(0.5)  # and the client has accounted them
+        raise Gate(f"shard {rec.index} failed validation")
+
+    with pytest.raises(Gate):
+        run(inp, out, emulator.url, on_shard_committed=gate, concurrency=48)
+    assert judged == sorted(OutputDir(out).committed_indices("ds")) and len(judged) == 1
+    assert OutputDir(out).lock_holder() is None
+
+
 def test_prerendered_prompt_that_opens_think_is_split_as_forced(tmp_path, emulator):
     """A pre-rendered prompt that already opened <think>: kept as is, its generation split as forced."""
     opened = "<|im_start|>user\nThink first.<|im_end|>\n<|im_start|>assistant\n<think>\n"
