@@ -42,7 +42,8 @@ unit: $(STAMP)
 
 # Two pytest-xdist workers, whole files per worker (module fixtures stay shared). Three were faster
 # (901 s -> 798-827 s of pytest; a fresh-clone .ci/run in 13.2 min) but met a shard-gate race in
-# tests/e2e/test_reasoning_bug.py once in three runs (docs/testing.md): two until it is fixed.
+# tests/e2e/test_reasoning_bug.py once in three runs, fixed since (decision 80): two until three pass
+# twice in a row on a fresh clone (docs/testing.md).
 # TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: lint
