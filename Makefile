@@ -40,14 +40,13 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
-# Two pytest-xdist workers, whole files per worker (module fixtures stay shared). Three were faster
-# (901 s -> 798-827 s of pytest; a fresh-clone .ci/run in 13.2 min) but met a shard-gate race in
-# tests/e2e/test_reasoning_bug.py once in three runs, fixed since (decision 80): two until three pass
-# twice in a row on a fresh clone (docs/testing.md).
-# TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers, whole files per worker (module fixtures stay shared), handed out heaviest
+# first (tests/conftest.py HEAVIEST_FIRST; --no-loadscope-reorder keeps that order: xdist's own puts
+# the files with most tests first and left the minute-long one-test files for the end).
+# docs/testing.md has the measurements. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -43,6 +43,42 @@ SESSION_MARK = "DGTEST_SESSION_MARK"
 os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+# The test files that take longest, heaviest first (worker seconds of a three-worker run, from
+# `--durations=0`; docs/testing.md). `make test` runs whole files per xdist worker (--dist loadfile)
+# and hands them out in collection order (--no-loadscope-reorder): the longest go first and the many
+# short files fill in behind them. xdist's own reorder (most tests first) sent the one-test files that
+# run a minute or more last, and a single worker ran the suite's last 2-3 minutes alone.
+HEAVIEST_FIRST = (
+    "tests/e2e/test_prefect.py",  # 294 s
+    "tests/e2e/test_run_interrupts.py",  # 204 s
+    "tests/sglang/test_user_path.py",  # 176 s
+    "tests/e2e/test_ui.py",  # 171 s
+    "tests/e2e/test_scale_out.py",  # 142 s
+    "tests/e2e/test_flow_recovery.py",  # 103 s
+    "tests/e2e/test_chaos_quick.py",  # 84 s
+    "tests/e2e/test_user_path_resume.py",  # 83 s
+    "tests/e2e/test_readme_production.py",  # 72 s
+    "tests/sglang/test_failures.py",  # 71 s
+    "tests/e2e/test_postgres.py",  # 66 s
+    "tests/e2e/test_server_emulator.py",  # 65 s
+    "tests/e2e/test_damaged_output.py",  # 63 s
+    "tests/e2e/test_ui_story.py",  # 48 s
+    "tests/sglang/test_differential.py",  # 48 s
+    "tests/e2e/test_hostile_output.py",  # 45 s
+    "tests/e2e/test_cli_server_url.py",  # 45 s
+    "tests/sglang/test_server.py",  # 45 s
+    "tests/e2e/test_cli_adhoc.py",  # 40 s
+    "tests/e2e/test_reasoning_bug.py",  # 39 s
+)
+
+
+def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-untyped-def]
+    """The files of HEAVIEST_FIRST first, in its order; every other file after them, as collected.
+    Within a file the order is kept (a stable sort)."""
+    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
     """Last line of defence: report, then end by pid, any process a test left running. Under xdist
     each worker checks its own tests' processes (the controller's only children are the workers)."""
