@@ -1,7 +1,7 @@
 """The `datagen` flow: config -> plan -> lock / GPU hosts / servers -> for each dataset: inference
 (validation gate per committed shard) -> validate the output -> (nightly) promote `latest`.
 
-The body reads as the pipeline: each line calls a stage task (flows/stages.py), enters the run's
+The body reads as the pipeline: each line calls a stage task (tasks/<stage>/task.py), enters the run's
 servers (flows/fleet.py: one lifecycle per server, launched at once, each request going to
 whichever is free) or a guard (flows/pipeline.py: the output's lock and checks, the ``gpu:<host>``
 slots, the published summary). The parameters are the run settings (tasks.config.RUN_SETTINGS),
@@ -19,14 +19,18 @@ from prefect.context import get_run_context
 from prefect.runtime import flow_run
 
 from flows import logs
-from flows.context import RunContext, unlinked
 from flows.fleet import Fleet
 from flows.hooks import cleanup_hook
 from flows.names import run_name
 from flows.params import declared
 from flows.pipeline import Outcome, gate_reported, gpu_hosts, opened_output, progress_of, published
-from flows.stages import infer_dataset, load_config, open_datasets, prepare_run, promote, validate
+from flows.retry import infer_dataset
 from tasks.config import Overrides
+from tasks.config.task import load_config
+from tasks.inference.task import open_datasets
+from tasks.run import RunContext
+from tasks.shards.task import prepare_run, promote
+from tasks.validation.task import validate
 
 __all__ = ["datagen", "flow_run_name"]
 
@@ -67,17 +71,16 @@ def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
     """
     overrides, run_id = Overrides.from_mapping(settings), _flow_run_id()
     cfg = load_config(partition, overrides)
-    ctx = RunContext.build(cfg, prepare_run(cfg, run_id), run_id, explicit_fraction=overrides.mem_fraction_static)
+    ctx = RunContext.build(cfg, prepare_run(cfg), run_id, explicit_fraction=overrides.mem_fraction_static)
     progress = progress_of(ctx)
     outcome = Outcome(ctx, progress, fleet := Fleet(ctx, total_rows=sum(progress.datasets.values())))
-    # unlinked(progress): the counter is given to the task, not drawn as data it depends on
     with opened_output(ctx, progress), published(outcome):
         datasets = open_datasets(ctx)  # every guard, once: a changed input stops the run before a GPU is touched
         if not all(d.complete for d in datasets.values()):  # a complete output touches no GPU
             with gate_reported(ctx), gpu_hosts(ctx), fleet:
                 fleet.wait_ready()
                 for dataset in datasets.values():
-                    infer_dataset(ctx, dataset, fleet.pool, unlinked(progress))
+                    infer_dataset(ctx, dataset, fleet.pool, progress.shard_committed)
         outcome.validation = validate(ctx)
         outcome.latest = promote(ctx.plan)
     return outcome.result()

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -33,12 +33,15 @@ from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
+from prefect.utilities.annotations import quote
 
-from flows.context import RunContext, unlinked
-from flows.progress import artifact_key
-from flows.stages import diagnose_server, health_check, hygiene, identify_server, launch_server, stop
+from flows import runrecord
+from flows.retry import health_check, hygiene, identify_server, launch_server
+from tasks.artifacts import artifact_key
 from tasks.inference import Endpoint, ServerPool
+from tasks.run import RunContext
 from tasks.server import HangWatchdog, ServerHandle
+from tasks.server.task import diagnose_server, stop
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
 __all__ = ["RELAUNCHED_TAG", "Fleet", "ServerResult", "serve_server"]
@@ -331,14 +334,36 @@ def _bring_up(server: _Server, why: str) -> None:
             _stop(server)
             phase = f"relaunch-{server.relaunches}"
         hygiene(ctx, phase)
-        server.handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason)
+        server.handle = handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
+                                               on_started=_record_started(ctx))
+        runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
+                               log=str(handle.log_path))
     health_check(ctx, server.endpoint)
+
+
+def _unlinked(handle: ServerHandle) -> ServerHandle:
+    """``handle`` as a task argument the run's graph draws no edge for (Prefect's ``quote``): it holds
+    the config's strings, which Prefect would trace to load-config (decision 83)."""
+    return cast(ServerHandle, quote(handle))
+
+
+def _record_started(ctx: RunContext) -> Any:
+    """``on_started`` of the launch: the server's pid in the run record before it is ready (a flow
+    SIGKILLed while its server loads leaves it running, and the next run ends it from this record:
+    runrecord.end_dead_servers)."""
+    def started(pid: int, pgid: int) -> None:
+        runrecord.server_started(ctx.run_id, ctx.target, pid, pgid)
+
+    return started
 
 
 def _stop(server: _Server) -> None:
     if server.handle is not None:
-        stop(server.ctx, unlinked(server.handle))  # a handle holds the config's strings: no edge from load-config
+        handle = server.handle
+        stop(server.ctx, _unlinked(handle))
         server.handle = None
+        with contextlib.suppress(OSError):  # the record is for recovery; a stopped server needs none
+            runrecord.server_state(server.ctx.run_id, handle.pid, "stopped", server.ctx.target)
 
 
 def _tag_run(run_id: str | None, tag: str) -> None:
@@ -394,7 +419,7 @@ def _why_dropped(server: _Server, dog: Any) -> str:
         return "host unreachable"
     if not server.handle.route_open():
         return "connection to its host lost (the SSH port forward ended)"
-    return f"died ({diagnose_server(ctx, unlinked(server.handle))})"
+    return f"died ({diagnose_server(ctx, _unlinked(server.handle))})"
 
 
 def reachable(target: str) -> bool:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from urllib.parse import urlsplit
 from uuid import UUID
 
 from flows import runrecord
 from tasks.errors import DatagenError
+from tasks.targets import host_of
 
 __all__ = [
     "LEASE_S", "SLOT_WAIT_ENV", "SLOT_WAIT_S", "SlotTimeout", "ensure_limits", "gpu_slots", "host_of", "limit_name",
@@ -33,15 +32,6 @@ _LOG_EVERY_S = 30.0
 
 class SlotTimeout(DatagenError, RuntimeError):
     """Another run held ``gpu:<host>`` longer than the slot wait bound; the message names it."""
-
-
-def host_of(target: str) -> str:
-    """The physical GPU host of a target string (``local`` is this machine; a pct container's
-    GPUs belong to its Proxmox host)."""
-    if target == "local":
-        return socket.gethostname()
-    parts = urlsplit(target)
-    return parts.hostname or target
 
 
 def limit_name(target: str) -> str:

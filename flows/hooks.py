@@ -21,7 +21,7 @@ from prefect.logging.loggers import flow_run_logger
 
 from flows import runrecord
 from flows.gpulimit import host_of, release_lease
-from flows.progress import artifact_key
+from tasks.artifacts import artifact_key
 from tasks.config import load_partition
 from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import clean_gpus

@@ -23,16 +23,16 @@ from prefect import get_run_logger
 
 from flows import runrecord
 from flows.cancel import stop_cause
-from flows.context import RunContext
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.progress import Progress
-from flows.stages import validate
 from flows.summary import RunSummary
 from tasks.config import state_dir
 from tasks.prompts import iter_dataset
+from tasks.run import RunContext
 from tasks.shards import OutputDir
 from tasks.validation import ValidationFailed
+from tasks.validation.task import validate
 
 __all__ = ["Outcome", "gate_reported", "gpu_hosts", "opened_output", "progress_of", "published"]
 
@@ -65,7 +65,9 @@ def progress_of(ctx: RunContext) -> Progress:
 
 @contextmanager
 def opened_output(ctx: RunContext, progress: Progress) -> Iterator[OutputDir]:
-    """Hold the output's lock; a missing or changed shard stops the run here, before a GPU is touched."""
+    """Record the run's plan (what recovery needs should the run die from here on), then hold the
+    output's lock; a missing or changed shard stops the run here, before a GPU is touched."""
+    _record_plan(ctx)
     output = OutputDir(ctx.plan.out_dir)
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": ctx.run_id}):
         output.check_intact()
@@ -151,6 +153,20 @@ def _finish(outcome: Outcome, error: BaseException | None) -> None:
     except Exception as exc:  # observability must never fail the run (nor hide its error)
         logger.warning("run summary artifact not created: %s", exc)
     logger.info("%s", summary.headline())
+
+
+def _record_plan(ctx: RunContext) -> None:
+    """The run record's plan: the output, the simulated GPUs and the GPUs of each target."""
+    cfg, plan = ctx.cfg, ctx.plan
+    target_gpus: dict[str, list[int]] = {}
+    for slot in cfg.servers():
+        target_gpus.setdefault(slot.target, []).extend(cfg.for_server(slot).server_gpus())
+    runrecord.planned(
+        ctx.run_id, partition=cfg.name, targets=list(cfg.targets), out_dir=str(plan.out_dir),
+        sim_gpus=plan.sim_gpus, shared_server=cfg.server_url is not None,
+        gpus=sorted({g for gpus in target_gpus.values() for g in gpus}) or cfg.server_gpus(),
+        target_gpus={t: sorted(set(g)) for t, g in target_gpus.items()},
+    )
 
 
 def _record_lease(run_id: str | None) -> Callable[[str], None]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -25,14 +24,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 
 from flows.eta import Eta, EtaInputs
+from tasks.artifacts import artifact_key
 from tasks.inference import DEFAULT_CONCURRENCY, ShardProgress
 
 __all__ = ["DatasetCounts", "Progress", "artifact_key", "fmt_duration"]
-
-
-def artifact_key(*parts: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower())).strip("-")
 
 
 def fmt_duration(seconds: float | None) -> str:

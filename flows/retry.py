@@ -12,6 +12,21 @@ The rule, by class, never by name:
 
 ``ServerGone`` is not retryable in place: the flow stops the dead server, relaunches it and resumes
 from disk (``needs_relaunch``).
+
+The policy, in one place: the stage tasks are declared in ``tasks/<stage>/task.py`` without
+retries, and the flows call the retried versions below. Every other stage task (load-config,
+prepare-output, open-datasets, recover, stop-server, validate-output, promote-latest) is not
+retried: what it raises a rerun of the same step would raise again.
+
+=============== ======= ============================ ==============================================
+task            retries delay between tries (s)      retried when
+=============== ======= ============================ ==============================================
+hygiene         2       2, 4                         ``retry_transient`` (GPUs not yet clean)
+launch          2       3, 6                         ``retry_launch`` (a transient launch failure)
+health          3       1, 2, 4                      always (``/health_generate`` not yet 200)
+identify-server 3       1, 2, 4                      always (the shared server not yet answering)
+infer           2       5, 10 (jitter 50%)           ``retry_transient`` (transport errors)
+=============== ======= ============================ ==============================================
 """
 
 from __future__ import annotations
@@ -19,11 +34,27 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from prefect.tasks import exponential_backoff
 
 from tasks.errors import DatagenError
+from tasks.hygiene.task import hygiene as _hygiene
 from tasks.inference import ServerGone
+from tasks.inference.task import infer_dataset as _infer_dataset
+from tasks.server.task import health_check as _health_check
+from tasks.server.task import identify_server as _identify_server
+from tasks.server.task import launch_server as _launch_server
 
-__all__ = ["is_retryable", "needs_relaunch", "retry_launch", "retry_transient"]
+__all__ = [
+    "health_check",
+    "hygiene",
+    "identify_server",
+    "infer_dataset",
+    "is_retryable",
+    "launch_server",
+    "needs_relaunch",
+    "retry_launch",
+    "retry_transient",
+]
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -66,3 +97,13 @@ def needs_relaunch(exc: BaseException) -> bool:
     A task re-raises its own exception in the flow body, so ``exc`` is the ``ServerGone`` itself.
     """
     return isinstance(exc, ServerGone)
+
+
+hygiene = _hygiene.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+                                retry_condition_fn=retry_transient)
+launch_server = _launch_server.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=3),
+                                            retry_condition_fn=retry_launch)
+health_check = _health_check.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
+identify_server = _identify_server.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
+infer_dataset = _infer_dataset.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5),
+                                            retry_jitter_factor=0.5, retry_condition_fn=retry_transient)

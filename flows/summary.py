@@ -14,7 +14,8 @@ from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact
 
-from flows.progress import Progress, artifact_key, fmt_duration
+from flows.progress import Progress, fmt_duration
+from tasks.artifacts import artifact_key
 from tasks.validation import md_text
 
 __all__ = ["RunSummary"]

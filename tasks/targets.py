@@ -22,11 +22,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 from tasks.errors import DatagenError
 from tasks.files import open_for_write
 
 __all__ = [
+    "host_of",
     "Target",
     "TargetError",
     "TargetUnreachable",
@@ -424,3 +426,12 @@ def detached_exit_status(pid: int) -> int | None:
     if proc is None:
         return None
     return proc.poll()
+
+
+def host_of(target: str) -> str:
+    """The physical GPU host of a target string (``local`` is this machine; a pct container's
+    GPUs belong to its Proxmox host)."""
+    if target == "local":
+        return socket.gethostname()
+    parts = urlsplit(target)
+    return parts.hostname or target

@@ -42,8 +42,16 @@ from tasks.shards._output import (
 from tasks.shards._rebuild import (
     InputSlice,
 )
+from tasks.shards._versions import (
+    choose_version,
+    mark_failed,
+    promote_latest,
+)
 
 __all__ = [
+    "choose_version",
+    "mark_failed",
+    "promote_latest",
     "CommittedShard",
     "DamagedShards",
     "InputChanged",

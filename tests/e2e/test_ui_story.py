@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
-from flows.progress import artifact_key
+from tasks.artifacts import artifact_key
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import FAST_EMU, records

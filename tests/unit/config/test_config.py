@@ -14,11 +14,11 @@ import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from datagen.cmd_run import build_parser, overrides_of
-from flows.context import RunContext, RunPlan
 from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
 from tasks.config._sampling import SAMPLING_KEYS
 from tasks.inference import TruncationPolicy
+from tasks.run import RunContext, RunPlan
 from tasks.server import ServerConfig
 from tests.support.common import free_port
 
@@ -107,7 +107,7 @@ def test_invalid_configs_name_file_and_key(tmp_path: Path, body: str, key: str, 
 
 
 def test_run_order_reaches_the_inference_settings(tmp_path: Path) -> None:
-    from flows.context import RunContext
+    from tasks.run import RunContext
 
     assert (load_partition(_write(tmp_path, BASE)).order, load_partition(_write(tmp_path, BASE)).order_window) == (
         "prefix", None)

@@ -18,8 +18,8 @@ from flows.datagen import datagen, flow_run_name
 from flows.eta import EtaInputs, row_rate, steady_rate
 from flows.params import PARAMETER_HELP, form_schema
 from flows.progress import Progress
-from flows.stages import gpu_label
 from flows.summary import RunSummary
+from tasks.artifacts import gpu_label
 from tasks.inference import ServerGone, ShardProgress
 from tasks.reasoning import PARSERS
 from tasks.validation import ValidationFailed

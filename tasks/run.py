@@ -1,7 +1,9 @@
 """What a run knows once it has started: the partition config, the output plan and the server's place.
 
 ``RunContext`` is built once in the flow, after the config is loaded and the output chosen, and
-handed to every stage task and server lifecycle instead of long argument lists. It is a plain
+handed to every stage task (tasks/<stage>/task.py) and server lifecycle instead of long argument
+lists. It is plain data with no Prefect in it, below the stage tasks that take it, so that
+``tasks/`` never imports ``flows/`` (docs/decisions/111-stage-tasks.md). It is a plain
 object, not a dataclass, on purpose: Prefect walks a task's dataclass arguments to draw the run's
 graph and would draw an edge from every task whose result the context holds (the config, the plan)
 to every task given the context; an opaque object is passed as is, so the graph shows only the data
@@ -12,26 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
-from prefect.utilities.annotations import quote
-
-from flows.gpulimit import host_of
 from tasks.config import PartitionConfig
 from tasks.inference import InferenceSettings
 from tasks.reasoning import parser_for_model
+from tasks.targets import host_of
 
-__all__ = ["RunContext", "RunPlan", "unlinked"]
-
-T = TypeVar("T")
-
-
-def unlinked(value: T) -> T:
-    """``value`` (a dataclass holding other tasks' results: a server handle, the progress counter)
-    as a task argument the run's graph draws no edge for (Prefect's ``quote``). The task receives
-    ``value`` itself."""
-    return cast(T, quote(value))
-
+__all__ = ["RunContext", "RunPlan"]
 
 @dataclass(frozen=True)
 class RunPlan:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.versions import choose_version, mark_failed, promote_latest
+from tasks.shards import choose_version, mark_failed, promote_latest
 
 T1 = dt.datetime(2026, 1, 4, 2, 0, tzinfo=dt.UTC)
 T2 = dt.datetime(2026, 1, 5, 2, 0, tzinfo=dt.UTC)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from flows import stages
+from tasks.server import task as stages
 
 
 class _Gone:
@@ -39,7 +39,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return calls
 
 
-CTX = SimpleNamespace(host="local", target="local", parser=None,
+CTX = SimpleNamespace(host="local", target="local", parser=None, run_id=None,
                       cfg=SimpleNamespace(server_config=lambda port, parser: object()))
 
 

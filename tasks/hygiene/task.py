@@ -1,0 +1,46 @@
+"""The hygiene stage's Prefect task: clean the server's GPUs on its target and prove them clean, with
+its verdict as an artifact. Retried by the flow's policy (flows/retry.py) while GPUs are not yet
+clean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
+from tasks.gpus import SIM_GPUS_NOTE
+from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
+from tasks.run import RunContext
+
+__all__ = ["hygiene"]
+
+
+@task(task_run_name=run_name("hygiene-{phase}-{host}-{gpus}"), cache_policy=NONE)
+def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
+    """Clean the server's GPUs on the run's target and verify; processes holding only other GPUs
+    are spared and listed so.
+
+    Raises:
+        NoGpus: no GPU can be read on the target (not retried: the message says what to run instead).
+        GpusNotClean: not verified clean (retried).
+    """
+    report = clean_gpus(target=ctx.target, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
+    report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # said once per run (prepare-output)
+    summary = report.summary()
+    verdict = report.verdict.upper().replace("_", " ")
+    get_run_logger().info("hygiene %s on %s: %s", phase, ctx.host, summary)
+    markdown(f"# GPU hygiene ({phase}) on `{ctx.host}`\n\nverdict: **{verdict}**\n\n```\n{summary}\n```\n",
+             key=artifact_key("hygiene", phase, ctx.cfg.name, ctx.host),
+             description=f"{verdict}: hygiene {phase} on {ctx.host} {gpu_label(ctx.gpus)}")
+    if report.backend == "none":
+        emulator = ctx.cfg.server.launch.backend == "emulator"
+        raise NoGpus(f"no GPU can be read on {ctx.host} ({report.error}); "
+                     + ("set [sim_gpus] in the partition or DATAGEN_SIM_GPUS to simulated GPUs for the emulator"
+                        if emulator else
+                        "on a machine without GPUs try the pipeline on the emulator: add --backend emulator "
+                        "(simulated GPUs are created under the output)"), report)
+    if not report.clean:
+        raise GpusNotClean(f"GPUs on {ctx.host} not verified clean ({report.verdict}):\n{summary}")
+    return report.to_dict()

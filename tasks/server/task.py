@@ -1,0 +1,192 @@
+"""The server stage's Prefect tasks: launch SGLang with the tuned ``--mem-fraction-static``, check its
+health, identify a shared server, diagnose a dead one, stop it. Each writes what a person needs in
+the UI (the launch artifact, rewritten when that server dies). The server's lifecycle
+(flows/fleet.py) calls them in order and keeps the run record; flows/retry.py says which retry."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from urllib.parse import urlsplit
+from uuid import UUID
+
+import httpx
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+
+from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
+from tasks.inference import Endpoint, external_fingerprint
+from tasks.run import RunContext
+from tasks.server import (
+    LaunchReport,
+    ServerHandle,
+    classify_failure,
+    launch_tuned,
+    record_runtime_oom,
+    stop_server,
+)
+from tasks.targets import parse_target
+
+__all__ = ["LOW_HEADROOM_GIB", "diagnose_server", "health_check", "identify_server", "launch_server", "stop"]
+
+# The launch artifact of each server of this process's runs, ``(run id, pid) -> (artifact id, its
+# markdown)``: rewritten to lead with the death when that server dies (server threads share it).
+_LAUNCH_ARTIFACTS: dict[tuple[str | None, int], tuple[UUID, str]] = {}
+_LAUNCH_ARTIFACTS_LOCK = threading.Lock()
+LOW_HEADROOM_GIB = 1.0  # GPU memory left after graph capture below which a long prefill batch may OOM
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@task(task_run_name=run_name("launch-{host}-{gpus}-{attempt}{again}"), cache_policy=NONE)
+def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
+                  on_started: Callable[[int, int], None] | None = None) -> ServerHandle:
+    """Launch SGLang (or the emulator) with the tuned ``--mem-fraction-static``; returns the handle.
+
+    The run's explicit ``mem_fraction_static`` (a run parameter or ``--mem-fraction-static``) wins
+    over the remembered fraction on the first launch; a relaunch starts from memory, which a
+    runtime OOM has just lowered.
+
+    Args:
+        ctx: the run.
+        attempt: 1 for the run's first launch, k + 1 for relaunch k (named so in the run).
+        reason: why the server is relaunched (e.g. "a runtime OOM at 0.93").
+        on_started: called with the server's pid and process group as soon as it is started,
+            before it is ready (the run record: a flow SIGKILLed while the server loads leaves it
+            running, and the next run ends it).
+
+    Raises:
+        LaunchFailed: no fraction worked, or a failure no fraction fixes (retried when transient).
+    """
+    cfg = ctx.cfg
+    port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else 30000)
+    pinned = ctx.explicit_fraction if attempt == 1 else None
+    handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
+                                  on_started=on_started, pinned=pinned)
+    relaunch = f"relaunch {attempt - 1}/{cfg.max_relaunches} after {reason}" if attempt > 1 else ""
+    start = relaunch or _start_source(report)
+    headroom = handle.headroom_gib
+    low = headroom is not None and headroom < LOW_HEADROOM_GIB
+    logger = get_run_logger()
+    lines = [f"# Server launch {attempt} on `{ctx.host}` {gpu_label(ctx.gpus)}", "",
+             f"- --mem-fraction-static: **{report.fraction}** (start: {start}; memory: {report.store})",
+             f"- headroom after graph capture: {headroom if headroom is not None else '?'} GiB"
+             + (f" **LOW**: under {LOW_HEADROOM_GIB:g} GiB left for activations, a long prefill batch may "
+                "run out of memory (lower mem_fraction_static)" if low else ""),
+             f"- relaunch budget: {attempt - 1} of {cfg.max_relaunches} used",
+             f"- url: `{handle.url}` (this run's server: stopped when the run ends)",
+             f"- pid {handle.pid}, log `{handle.log_path}`",
+             f"- attempts ({len(report.attempts)}): {report.summary()}"]
+    artifact = markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
+                        description=f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
+                                    f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
+                                    + (f" ({relaunch})" if relaunch else ""))
+    if artifact is not None:  # kept to be rewritten should this server die (_mark_launch_died)
+        with _LAUNCH_ARTIFACTS_LOCK:
+            _LAUNCH_ARTIFACTS[(ctx.run_id, handle.pid)] = (artifact, "\n".join(lines))
+    logger.info("server up on %s at %s: %s (headroom %s GiB; start: %s)", ctx.host, handle.url, report.summary(),
+                headroom, start)
+    if low:
+        logger.warning("headroom after graph capture on %s is %s GiB, under %g GiB: a long prefill batch may run "
+                       "out of memory; lower mem_fraction_static", ctx.host, headroom, LOW_HEADROOM_GIB)
+    return handle
+
+
+def _start_source(report: LaunchReport) -> str:
+    """Where the first fraction came from, the remembered one named when it was not used."""
+    if report.start_source == "explicit":
+        kept = f"; remembered {report.remembered}" if report.remembered is not None else ""
+        return f"explicit run parameter{kept}"
+    return report.start_source
+
+
+@task(task_run_name=run_name("health-{host}-{gpus}"), cache_policy=NONE)
+def health_check(ctx: RunContext, endpoint: Endpoint) -> None:
+    """``/health_generate`` must answer 200 (a 1-token generation ran).
+
+    Raises:
+        RuntimeError: another status (retried).
+    """
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+    r = httpx.get(f"{endpoint.url}/health_generate", timeout=30.0, headers=headers)
+    if r.status_code != 200:
+        raise RuntimeError(f"{endpoint.url}/health_generate answered {r.status_code}")
+
+
+@task(name="identify-server", task_run_name="identify-server", cache_policy=NONE)
+def identify_server(ctx: RunContext) -> str:
+    """The fingerprint of the shared server ``run.server_url``: the rows' ``server`` column, from
+    what the server reports about itself, so that it survives a restart on another port.
+
+    Raises:
+        httpx.TransportError: the server cannot be reached (retried).
+    """
+    url = ctx.cfg.server_url
+    assert url is not None, "identify_server is for a shared server"
+    fingerprint, facts = external_fingerprint(url, ctx.cfg.api_key())
+    logger = get_run_logger()
+    if facts:
+        logger.info("shared server %s is %s (%s)", url, fingerprint,
+                    ", ".join(f"{k}={v}" for k, v in sorted(facts.items())))
+    else:
+        logger.warning("shared server %s reports neither /model_info nor /server_info: its rows are "
+                       "fingerprinted by its URL, and a restart on another port will not match them", url)
+    return fingerprint
+
+
+@task(task_run_name=run_name("recover-{host}-{gpus}"), cache_policy=NONE)
+def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
+    """The server stopped answering: read its log, and on a runtime OOM (classified ``too_high``)
+    record it so that the relaunch starts lower; the server's launch artifact is updated to say
+    it died. Returns the failure kind."""
+    logger = get_run_logger()
+    try:
+        text = handle.read_log()
+    except Exception as exc:  # a log we cannot read classifies as unknown: relaunch at the same fraction
+        text = f"(log unreadable: {exc})"
+    status = handle.exit_status()
+    failure = classify_failure(text, status)
+    logger.warning("server on %s gone (exit %s): %s: %s", ctx.host, status, failure.kind, failure.explanation)
+    if failure.kind == "too_high":
+        port = urlsplit(handle.url).port or 30000
+        entry = record_runtime_oom(ctx.cfg.server_config(port, ctx.parser), parse_target(ctx.target),
+                                   handle.fraction, log_text=text)
+        if entry is not None:
+            logger.warning("recorded runtime OOM at fraction %s on %s: the relaunch starts lower",
+                           entry.runtime_oom_at, ctx.host)
+    if ctx.run_id:
+        _mark_launch_died(ctx.run_id, handle.pid, f"exit {status}: {failure.kind}: {failure.explanation}")
+    return str(failure.kind)
+
+
+def _mark_launch_died(run_id: str, pid: int, why: str) -> None:
+    """Rewrite the launch artifact of the server ``pid`` to lead with its death."""
+    with _LAUNCH_ARTIFACTS_LOCK:
+        known = _LAUNCH_ARTIFACTS.pop((run_id, pid), None)
+    if known is None:
+        return
+    artifact, lines = known
+    text = f"**DIED** during the run ({why}); the server was relaunched or the run stopped.\n\n" + lines
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_artifact(artifact, ArtifactUpdate(data=text, description=f"DIED: {why}"[:200]))
+    except Exception as exc:  # observability must never fail the run
+        get_run_logger().warning("launch artifact of pid %s not updated: %s", pid, exc)
+
+
+@task(task_run_name=run_name("stop-server-{host}-{gpus}"), cache_policy=NONE)
+def stop(ctx: RunContext, handle: ServerHandle) -> None:
+    """Stop the server's process group (SIGTERM, then SIGKILL) and wait for clean GPUs.
+
+    Raises:
+        StopFailed: the GPUs were not verified clean after the stop.
+    """
+    stop_server(handle)
+    get_run_logger().info("server on %s (pid %s) stopped", ctx.host, handle.pid)
