@@ -56,7 +56,6 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_scale_out.py",  # 142 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
     "tests/e2e/test_chaos_quick.py",  # 84 s
-    "tests/e2e/test_user_path_resume.py",  # 83 s
     "tests/e2e/test_readme_production.py",  # 72 s
     "tests/sglang/test_failures.py",  # 71 s
     "tests/e2e/test_postgres.py",  # 66 s

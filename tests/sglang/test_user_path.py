@@ -206,6 +206,10 @@ def test_killed_samples_run_resumes_with_the_identical_command(
     seeds = {(r["id"], r["sample"]): r["sampling_seed"] for r in committed_rows(out, "ds", ["id", "sample",
                                                                                             "sampling_seed"])}
     assert len(set(seeds.values())) == 36  # each sample its own seed
+    # the card tells what the run did: a server it did not launch, so no hygiene and no tuned launch
+    card = (out / "README.md").read_text()
+    assert "used an SGLang server it did not launch (`--server-url`: no GPU hygiene" in card
+    assert "cleaned the GPUs" not in card
 
 
 def test_killed_whole_conversation_run_resumes_with_the_identical_command(
