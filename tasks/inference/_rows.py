@@ -11,6 +11,7 @@ records carry private ``_pos``/``_attempts``/``_reject``/``_turn`` keys that the
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ TURN_KEYS = ("message_index", "raw", "reasoning", "content", "finish_reason", "p
              "completion_tokens", "latency_s")
 
 
+@functools.lru_cache(maxsize=8192)  # asked for a row's request and again for its record
 def derive_seed(base: int, row_id: str, sample: int) -> int:
     """The ``sampling_seed`` of sample ``sample`` of row ``row_id``: 63 bits of
     ``sha256(base, id, sample)``, the same on every machine and run (within SGLang's int64 range)."""

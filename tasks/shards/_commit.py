@@ -36,15 +36,17 @@ def rows_to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
         KeyError: a row lacks a column that has no default and is not nullable.
         pyarrow.ArrowInvalid: a value has the wrong type.
     """
-    cols: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
-    for row in rows:
-        for name, values in cols.items():
-            if name == "generated_at":
-                values.append(_parse_ts(row[name]))
-            else:
-                values.append(row[name] if name in row else added_value(name, row.get("sampling"))
-                              if name in ADDED_DEFAULTS
-                              else None if _NULLABLE[name] else row[name])
+    rows = rows if isinstance(rows, list) else list(rows)
+    cols: dict[str, list[Any]] = {}
+    for name in ROW_SCHEMA.names:  # column by column: a shard's commit spends its time here
+        if name == "generated_at":
+            cols[name] = [_parse_ts(row[name]) for row in rows]
+        elif name in ADDED_DEFAULTS:
+            cols[name] = [row[name] if name in row else added_value(name, row.get("sampling")) for row in rows]
+        elif _NULLABLE[name]:
+            cols[name] = [row.get(name) for row in rows]
+        else:
+            cols[name] = [row[name] for row in rows]
     return pa.table(cols, schema=ROW_SCHEMA)
 
 
