@@ -44,7 +44,7 @@ os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 # The test files that take longest, heaviest first (worker seconds of a three-worker run, from
-# `--durations=0`; docs/testing.md). `make test` runs whole files per xdist worker (--dist loadfile)
+# `--durations=0`; docs/testing-history.md). `make test` runs whole files per xdist worker (--dist loadfile)
 # and hands them out in collection order (--no-loadscope-reorder): the longest go first and the many
 # short files fill in behind them. xdist's own reorder (most tests first) sent the one-test files that
 # run a minute or more last, and a single worker ran the suite's last 2-3 minutes alone.

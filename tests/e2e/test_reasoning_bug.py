@@ -153,7 +153,7 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     assert f"datagen run: run failed: {message}\n" in first.stderr
     manifest = json.loads((out / "_manifest.json").read_text())
     # The run's log goes with a failure: which shard committed when, and which gate ran (ciL once saw
-    # shard 1 committed beside the failed shard 0; docs/testing.md).
+    # shard 1 committed beside the failed shard 0; docs/testing-history.md).
     said = first.stdout[-6000:] + first.stderr[-3000:]
     assert sorted(manifest["datasets"]["prompts"]["shards"]) == ["0"], said
     assert [f.name for f in (out / "prompts").iterdir()] == ["shard-00000.parquet"], said
