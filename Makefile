@@ -43,7 +43,7 @@ unit: $(STAMP)
 # Three pytest-xdist workers, whole files per worker (module fixtures stay shared), handed out heaviest
 # first (tests/conftest.py HEAVIEST_FIRST; --no-loadscope-reorder keeps that order: xdist's own puts
 # the files with most tests first and left the minute-long one-test files for the end).
-# docs/testing.md has the measurements. TEST_WORKERS=0: serial.
+# docs/testing-history.md has the measurements. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 3
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

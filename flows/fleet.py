@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, cast
@@ -347,7 +348,7 @@ def _unlinked(handle: ServerHandle) -> ServerHandle:
     return cast(ServerHandle, quote(handle))
 
 
-def _record_started(ctx: RunContext) -> Any:
+def _record_started(ctx: RunContext) -> Callable[[int, int], None]:
     """``on_started`` of the launch: the server's pid in the run record before it is ready (a flow
     SIGKILLed while its server loads leaves it running, and the next run ends it from this record:
     runrecord.end_dead_servers)."""
