@@ -120,17 +120,24 @@ def _signal(pgid: int, procs: Iterable[ProcessIdentity], sig: int) -> None:
                 os.kill(proc.pid, sig)
 
 
-def _wait(pgid: int, timeout_s: float, seen: set[int], outside: Iterable[ProcessIdentity],
+def _note(members: Iterable[int], seen: dict[int, ProcessIdentity | None]) -> None:
+    """Record each member not seen before as the process it is now (a later SIGKILL goes to that one)."""
+    for pid in members:
+        if pid not in seen:
+            seen[pid] = ProcessIdentity.of(pid)
+
+
+def _wait(pgid: int, timeout_s: float, seen: dict[int, ProcessIdentity | None], outside: Iterable[ProcessIdentity],
           leader: subprocess.Popen[bytes] | None) -> bool:
     """Poll until no member of ``pgid`` nor of ``outside`` lives and ``leader`` is reaped; True when
-    that happened within ``timeout_s``."""
+    that happened within ``timeout_s``. Members are noted in ``seen``."""
     deadline = time.monotonic() + timeout_s
     delay = 0.02
     while True:
         if leader is not None:
             leader.poll()  # reap our own child so it does not linger as a zombie
         members = group_pids(pgid)
-        seen.update(members)
+        _note(members, seen)
         if (not members and not any(same_process(p) for p in outside)
                 and (leader is None or leader.returncode is not None)):
             return True
@@ -151,7 +158,7 @@ def _identities(pids: Iterable[int]) -> list[ProcessIdentity]:
 
 
 def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, kill_wait_s: float = 10.0,
-                    with_pids: Iterable[int] = (), kill_pids: Iterable[int] = (),
+                    with_pids: Iterable[int] = (), kill_pids: Iterable[int | ProcessIdentity] = (),
                     leader: subprocess.Popen[bytes] | None = None, leader_first_s: float = 0.0) -> GroupEnd:
     """End process group ``pgid``: ``first`` to the group, wait up to ``grace_s``, then SIGKILL.
 
@@ -167,8 +174,12 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
             tree whose children started their own sessions): each gets every signal and is waited on.
         kill_pids: processes SIGKILLed with the group if it outlives ``grace_s``, but neither sent
             ``first`` nor waited on during the grace (members seen earlier that left the group are still
-            the caller's); after the SIGKILL they are waited on too, within ``kill_wait_s``.
-        leader: the ``Popen`` of the group's leader, when this process started it.
+            the caller's); after the SIGKILL they are waited on too, within ``kill_wait_s``. Give
+            identities recorded when they were seen: a bare pid is taken as whoever holds it now.
+        leader: the ``Popen`` of the group's leader, when this process started it. Once it is reaped
+            and its pid names a live process again, the group is gone and that pid is another
+            process's (the kernel reuses a group's id only after its last member): the group is then
+            not signalled at all, only ``kill_pids`` that are still the processes recorded.
         leader_first_s: when > 0, ``first`` goes to the group's leader alone (pid ``pgid``) and the
             group gets up to this much of ``grace_s`` to exit before ``first`` goes to every member.
             A server whose main process drains on the signal and then ends its children exits
@@ -177,8 +188,13 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
     Raises nothing: a group that is gone or cannot be signalled counts as ended.
     """
     outside = _identities(with_pids)
+    stray_ids = [k if isinstance(k, ProcessIdentity) else ProcessIdentity.of(k) for k in kill_pids]
+    strays = [k for k in stray_ids if k is not None]
+    if _recycled(pgid, leader):
+        return _kill_strays(strays, kill_wait_s)
     members = group_pids(pgid)
-    seen = set(members) | {p.pid for p in outside} | set(kill_pids)
+    seen: dict[int, ProcessIdentity | None] = {k.pid: k for k in [*outside, *strays]}
+    _note(members, seen)
     if not seen and (leader is None or leader.poll() is not None):
         return GroupEnd("gone", ())
     deadline = time.monotonic() + grace_s
@@ -190,13 +206,31 @@ def terminate_group(pgid: int, grace_s: float, *, first: int = signal.SIGTERM, k
     _signal(pgid, outside, first)
     if _wait(pgid, max(deadline - time.monotonic(), 0.0), seen, outside, leader):
         return GroupEnd(signal.Signals(first).name, tuple(sorted(seen)))
-    seen.update(group_pids(pgid))
-    _signal(pgid, _identities(seen), signal.SIGKILL)
+    _note(group_pids(pgid), seen)
+    _signal(pgid, [k for k in seen.values() if k is not None], signal.SIGKILL)
     killed_at = time.monotonic()
     _wait(pgid, kill_wait_s, seen, outside, leader)
     # SIGKILL is delivered, not instant: on a loaded host a killed pid outside the group (``kill_pids``)
     # was still alive a moment later. Wait for those too, within the same bound.
-    stray = set(kill_pids)
-    while stray and live_pids(stray) and time.monotonic() - killed_at < kill_wait_s:
+    while any(same_process(k) for k in strays) and time.monotonic() - killed_at < kill_wait_s:
         time.sleep(0.02)
-    return GroupEnd("SIGKILL", tuple(sorted(seen)), tuple(live_pids(seen)))
+    survivors = sorted(k.pid for k in seen.values() if k is not None and same_process(k))
+    return GroupEnd("SIGKILL", tuple(sorted(seen)), tuple(survivors))
+
+
+def _recycled(pgid: int, leader: subprocess.Popen[bytes] | None) -> bool:
+    """Whether ``leader`` (the group's reaped leader) no longer owns ``pgid``: a live process holds its pid."""
+    return leader is not None and leader.poll() is not None and process_started(pgid) is not None
+
+
+def _kill_strays(strays: list[ProcessIdentity], wait_s: float) -> GroupEnd:
+    """SIGKILL those of ``strays`` still the processes recorded; the group itself is gone."""
+    live = [k for k in strays if same_process(k)]
+    for k in live:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(k.pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(same_process(k) for k in live) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = tuple(sorted(k.pid for k in live))
+    return GroupEnd("SIGKILL" if live else "gone", pids, tuple(live_pids(pids)))

@@ -30,7 +30,7 @@ import httpx
 
 from tasks.files import open_for_write
 from tasks.hygiene import clean_gpus
-from tasks.procs import group_pids, live_pids, terminate_group
+from tasks.procs import ProcessIdentity, group_pids, live_pids, terminate_group
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
     API_KEY_ENV,
@@ -111,6 +111,7 @@ class ServerHandle:
     progress: StartupProgress
     ready_s: float
     member_pids: list[int] = field(default_factory=list)  # group members seen at readiness
+    _members: list[ProcessIdentity] = field(default_factory=list, repr=False)  # the same, with start times
     api_key: str | None = field(default=None, repr=False)
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _tunnel: server_remote.Tunnel | None = field(default=None, repr=False)
@@ -255,7 +256,8 @@ def launch(
         _release_leash(handle)
         raise
     if not handle.is_remote:
-        handle.member_pids = group_pids(handle.pgid)
+        handle._members = [i for i in map(ProcessIdentity.of, group_pids(handle.pgid)) if i is not None]
+        handle.member_pids = [i.pid for i in handle._members]
     return handle
 
 
@@ -462,7 +464,7 @@ def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
         server_remote.kill_group(handle.target, handle.pgid, grace_s, leader_first_s)
         return list(handle.member_pids)
     # Members that left the group (setsid) are still ours: they were seen in it.
-    end = terminate_group(handle.pgid, grace_s, kill_pids=handle.member_pids, leader=handle._popen,
+    end = terminate_group(handle.pgid, grace_s, kill_pids=handle._members, leader=handle._popen,
                           leader_first_s=leader_first_s)
     return list(end.seen)
 

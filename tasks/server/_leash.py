@@ -34,7 +34,11 @@ __all__ = ["LEASH_GRACE_S", "LEASH_SCRIPT", "Leash", "leash"]
 LEASH_GRACE_S = 20.0  # from the run's death to SIGKILL of what is left; the leader alone gets half
 
 # The guardian (standard library only: it runs in the target's python3). argv: pgid, leader-first
-# seconds, grace seconds. It ignores the signals a terminal or a session end would send it.
+# seconds, grace seconds, the leader's start time ("-": read it at start). It ignores the signals a
+# terminal or a session end would send it. The group counts as gone once its leader's pid names a
+# process with another start time (/proc stat field 22, in clock ticks): the kernel reuses a group's
+# id only after its last member has exited. The start time is read here for a local server, while
+# the leader is surely the server: the guardian's own start-up took over a second on a loaded host.
 LEASH_SCRIPT = r"""import os, signal, sys, time
 pgid, first, grace = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
@@ -44,7 +48,17 @@ try:
         pass
 except OSError:
     pass
+def started(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+leader = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else started(pgid)
 def alive():
+    now = started(pgid)
+    if now is not None and now != leader:
+        return False
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -97,6 +111,15 @@ class Leash:
             pass  # still ending the group (a server that ignored the stop): it finishes on its own
 
 
+def _start_ticks(pid: int) -> str:
+    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks since boot), or "-" when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "-"
+
+
 def leash(target: str | Target, pgid: int, grace_s: float = LEASH_GRACE_S) -> Leash:
     """Put a guardian on process group ``pgid`` on ``target`` (see the module docstring).
 
@@ -105,7 +128,7 @@ def leash(target: str | Target, pgid: int, grace_s: float = LEASH_GRACE_S) -> Le
         TargetError: a bad target.
     """
     t = parse_target(target)
-    args = [str(pgid), f"{min(grace_s / 2, 10.0):g}", f"{grace_s:g}"]
+    args = [str(pgid), f"{min(grace_s / 2, 10.0):g}", f"{grace_s:g}", _start_ticks(pgid) if t.is_local else "-"]
     if t.is_local:
         argv = [sys.executable, "-c", LEASH_SCRIPT, *args]
     else:

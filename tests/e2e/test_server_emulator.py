@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -14,6 +16,7 @@ import psutil
 import pytest
 
 from emulator.simgpu import SimGpus
+from tasks.procs import same_process, terminate_group
 from tasks.server import (
     FileStore,
     FractionMemory,
@@ -41,17 +44,17 @@ def cfg_for(port: int, *extra: str, **kw) -> ServerConfig:
 
 
 @pytest.fixture
-def started(reap_pids):
-    """Handles to stop (SIGKILL of the whole group) whatever a test leaves running."""
+def started():
+    """Handles to stop (SIGKILL of the whole group) whatever a test leaves running: by the product's
+    terminate_group, which never signals a group id or member pid recycled since."""
     handles: list[ServerHandle] = []
     yield handles
     for h in handles:
-        # zombies (this container's PID 1 may not reap) would only make reap_pids wait
-        reap_pids.extend(p for p in [h.pid, *h.member_pids] if pid_alive(p))
-        try:
-            os.killpg(h.pgid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
+        terminate_group(h.pgid, 0.0, first=signal.SIGKILL, kill_wait_s=10.0, kill_pids=h._members, leader=h._popen)
+        for m in h._members:  # those that left the group, should the group have ended at once
+            if same_process(m):
+                with contextlib.suppress(OSError):
+                    os.kill(m.pid, signal.SIGKILL)
         if h._popen is not None:
             h._popen.wait(10)
 

@@ -66,7 +66,7 @@ class EmulatorProc:
     url: str
     port: int
     log_path: Path
-    descendants: set[int] = field(default_factory=set)
+    descendants: dict[int, psutil.Process] = field(default_factory=dict)  # as first seen (pid + start)
 
     @property
     def pid(self) -> int:
@@ -76,11 +76,14 @@ class EmulatorProc:
         return self.log_path.read_text(errors="replace")
 
     def children(self) -> list[psutil.Process]:
+        if self.proc.poll() is not None:  # reaped: its pid may name another process by now
+            return []
         try:
             kids = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        self.descendants.update(k.pid for k in kids)
+        for k in kids:
+            self.descendants.setdefault(k.pid, k)
         return kids
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -103,16 +106,20 @@ class EmulatorProc:
         return self.proc.wait(timeout=timeout)
 
     def stop(self) -> None:
-        """SIGKILL the process group and every descendant seen; reap the main process."""
+        """SIGKILL the process group and every descendant seen; reap the main process.
+
+        The group is signalled only while the main process is unreaped or a descendant first seen is
+        still in it (either way its id cannot have been recycled), and each descendant only while it
+        is the process first seen."""
         self.children()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        procs = []
-        for pid in self.descendants:
+        if self.proc.poll() is None or any(_in_group(p, self.pid) for p in self.descendants.values()):
             try:
-                p = psutil.Process(pid)
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        procs = []
+        for p in self.descendants.values():
+            try:
                 p.send_signal(signal.SIGKILL)
                 procs.append(p)
             except psutil.Error:
@@ -127,6 +134,13 @@ class EmulatorProc:
             procs = [p for p in procs if _alive(p)]
             if procs:
                 time.sleep(0.01)
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return p.is_running() and os.getpgid(p.pid) == pgid
+    except (psutil.Error, ProcessLookupError):
+        return False
 
 
 def _alive(p: psutil.Process) -> bool:

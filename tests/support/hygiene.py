@@ -4,6 +4,7 @@ tests and bench/bench_hygiene.py (so no pytest here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+import psutil
 
 HOLDER = r"""
 import json, os, signal, sys
@@ -66,6 +69,12 @@ class Holder:
     children: list[int]
     orphan: int | None
     proc: subprocess.Popen[bytes] = field(repr=False)
+    procs: list[psutil.Process] = field(default_factory=list, repr=False)  # as started (pid + start)
+
+    def __post_init__(self) -> None:
+        for pid in self.all_pids:
+            with contextlib.suppress(psutil.Error):
+                self.procs.append(psutil.Process(pid))
 
     @property
     def all_pids(self) -> list[int]:
@@ -105,13 +114,11 @@ def start_holder(gpus: tuple[int, ...] = (0,), mib: int = 1024, *, ignore_term: 
 
 
 def stop_holders(holders: list[Holder]) -> None:
-    """SIGKILL whatever is left of ``holders`` (by pid) and reap the holder processes."""
+    """SIGKILL whatever is left of ``holders`` (never a recycled pid) and reap the holder processes."""
     for h in holders:
-        for pid in h.all_pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for p in h.procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
         h.proc.wait(timeout=10)
 
 

@@ -19,6 +19,7 @@ from tasks.procs import (
     same_process,
     terminate_group,
 )
+from tests.support.common import TrackedPids, kill_trees, start_on_pid
 
 # A process-group leader that forks a child; each prints its pid once its SIGTERM disposition is set.
 _GROUP = r"""
@@ -43,12 +44,10 @@ while True:
 
 @pytest.fixture
 def spawned() -> Iterator[list[int]]:
-    """Pids started by a test; SIGKILLed at the end whatever the test did."""
-    pids: list[int] = []
+    """Pids started by a test; SIGKILLed at the end whatever the test did (never a recycled pid)."""
+    pids = TrackedPids()
     yield pids
-    for pid in pids:
-        if process_started(pid) is not None:
-            os.kill(pid, signal.SIGKILL)
+    kill_trees(pids.procs)
 
 
 def _group(spawned: list[int], *, child_ignores: bool = False, leader_ignores: bool = False,
@@ -174,3 +173,23 @@ def test_leader_first_lets_the_leader_end_its_group(spawned: list[int], tmp_path
         assert leader.returncode == 0 and not mark.exists()
     else:  # the whole group at once: the child takes its SIGTERM path
         assert mark.exists()
+
+
+def test_a_reaped_leaders_group_id_reused_by_another_process_is_never_signalled(spawned: list[int]) -> None:
+    # Our server's group: its leader exits and is reaped (here alone: a member left as a zombie, which
+    # this container's PID 1 may never reap, would keep the id in use); then the kernel gives the pid
+    # to a stranger that leads its own session (as `datagen up`'s Prefect worker does), so the old
+    # group id now names the stranger's group. A member recorded long ago is on that pid too.
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    ours.kill()
+    ours.wait(10)
+    stranger = start_on_pid(ours.pid, [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        spawned.append(stranger.pid)
+        recorded = ProcessIdentity(stranger.pid, started=1.0)
+        end = terminate_group(ours.pid, 0.5, leader=ours, kill_pids=[recorded], kill_wait_s=0.5)
+        assert end.ended_by == "gone" and end.seen == ()
+        assert stranger.poll() is None and group_pids(stranger.pid) == [stranger.pid]
+    finally:
+        stranger.kill()
+        stranger.wait(10)

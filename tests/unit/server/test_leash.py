@@ -3,7 +3,6 @@ with SIGKILL after the grace for a server that ignores SIGTERM; a released leash
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from tasks.procs import live_pids
 from tasks.server._leash import leash
+from tests.support.common import TrackedPids, kill_trees, start_on_pid
 
 # A stand-in for a launched server: a leader in its own session with a child, both sleeping; with
 # IGNORE, both ignore SIGTERM (a server stuck in its drain).
@@ -65,16 +65,20 @@ def _close(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-def _reap(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _track(pids: list[int]) -> TrackedPids:
+    """The processes as they are now, so the cleanup never kills a pid recycled since."""
+    tracked = TrackedPids()
+    tracked.extend(pids)
+    return tracked
+
+
+def _reap(tracked: TrackedPids) -> None:
+    kill_trees(tracked.procs)
 
 
 def test_the_server_group_ends_when_the_run_is_killed_with_sigkill() -> None:
     proc, (leader, child, guardian) = _controller("drain", grace_s=4.0)
+    tracked = _track([leader, child, guardian])
     try:
         assert live_pids([leader, child, guardian]) == [leader, child, guardian]
         proc.send_signal(signal.SIGKILL)
@@ -82,12 +86,13 @@ def test_the_server_group_ends_when_the_run_is_killed_with_sigkill() -> None:
         assert _gone([leader, child], within_s=3.0), "SIGTERM to the leader ends a server that drains"
         assert _gone([guardian], within_s=3.0)
     finally:
-        _reap([leader, child, guardian])
+        _reap(tracked)
         _close(proc)
 
 
 def test_a_server_ignoring_sigterm_is_killed_after_the_grace() -> None:
     proc, (leader, child, guardian) = _controller("ignore", grace_s=2.0)
+    tracked = _track([leader, child, guardian])
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -96,13 +101,14 @@ def test_a_server_ignoring_sigterm_is_killed_after_the_grace() -> None:
         assert time.monotonic() - started >= 1.0  # the leader was given its half of the grace first
         assert _gone([guardian], within_s=3.0)
     finally:
-        _reap([leader, child, guardian])
+        _reap(tracked)
         _close(proc)
 
 
 def test_a_released_leash_after_a_stop_exits_and_leaves_nothing() -> None:
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     guard = leash("local", server.pid, grace_s=4.0)
+    tracked = _track([server.pid, guard.pid])
     try:
         server.kill()
         server.wait(5)
@@ -110,4 +116,27 @@ def test_a_released_leash_after_a_stop_exits_and_leaves_nothing() -> None:
         guard.release()
         assert guard.proc.returncode == 0 and time.monotonic() - started < 3.0
     finally:
-        _reap([server.pid, guard.pid])
+        _reap(tracked)
+
+
+def test_a_leash_never_signals_a_group_id_the_kernel_gave_to_another_process() -> None:
+    # The server exits on its own and is reaped; its pid (the group's id) goes to a stranger leading
+    # its own session; then the run dies. The guardian must see the group as gone.
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    guard = leash("local", server.pid, grace_s=2.0)
+    tracked = _track([guard.pid])
+    stranger = None
+    try:
+        server.kill()  # at once: the guardian may not even have started yet
+        server.wait(5)
+        stranger = start_on_pid(server.pid, [sys.executable, "-c", "import time; time.sleep(600)"],
+                                start_new_session=True)
+        guard.release()
+        assert guard.proc.returncode == 0
+        time.sleep(0.3)
+        assert stranger.poll() is None, f"the stranger was signalled: exit {stranger.returncode}"
+    finally:
+        _reap(tracked)
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait(5)
