@@ -1,12 +1,14 @@
-"""End to end through Prefect: a real server, `datagen up` (pool, limits, `prefect deploy --all`,
-process worker), deployment runs of datagen/demo and their recovery paths; and the pieces that talk to
-Prefect on their own: the tuner's Variable store and the validation artifacts of a flow run."""
+"""End to end through Prefect: the session's server, `datagen up --api-url` (pool, limits, `prefect deploy
+--all`, process worker), deployment runs of datagen/demo on their recovery paths (runtime OOM, hang,
+SIGKILL of the flow-run process); and the pieces that talk to Prefect on their own: the tuner's
+Variable store and the validation artifacts of a flow run. The deployment runs a user watches in the
+UI (a watched demo, a collision, a validation failure, a cancel and its rerun) are test_ui.py's: one
+run per story."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -31,7 +33,6 @@ from tests.support.prefect import PrefectServer, migrated_home
 pytestmark = pytest.mark.slow
 ROOT = REPO_ROOT
 DATAGEN = str(Path(sys.executable).parent / "datagen")
-PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="module")
@@ -103,40 +104,6 @@ def test_up_deploys_every_partition_with_limits(stack: dict[str, Any]) -> None:
         == (0, 1)
     limits = http.post("/v2/concurrency_limits/filter", json={}).json()
     assert any(lim["name"].startswith("gpu:") and lim["limit"] == 1 for lim in limits)
-
-
-def test_demo_deployment_completes_and_second_run_is_rejected(stack: dict[str, Any], tmp_path: Path) -> None:
-    api: Api = stack["api"]
-    out = tmp_path / "demo-out"
-    watch = subprocess.Popen(
-        [PREFECT, "deployment", "run", "datagen/demo", "--params", json.dumps({"out": str(out)}), "--watch"],
-        env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        runs: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 60
-        while not runs:  # the watched run, once it exists (not the nightly run `all` has scheduled)
-            runs = [r for r in api.http.post("/flow_runs/filter", json={}).json()
-                    if r["parameters"].get("out") == str(out)]
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
-        first = runs[0]["id"]
-        api.wait(first, {"RUNNING"}, 90)
-        second = api.run("datagen/demo", out=str(tmp_path / "second"))
-        st = api.wait(second, {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}, 60)
-        assert st["type"] == "CANCELLED", st
-        output, _ = watch.communicate(timeout=150)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
-    assert watch.returncode == 0, output
-    assert "Completed" in output
-    rows = _rows(out)
-    assert {k: len(set(v)) for k, v in rows.items()} == {"glaive_like": 300, "opencode_like": 300}
-    assert all(len(v) == len(set(v)) for v in rows.values())
-    assert SimGpus(out / "_sim-gpus.json").snapshot()["gpus"][0]["used_mib"] == 0
-    assert not (tmp_path / "second").exists() or not list((tmp_path / "second").glob("*/shard-*.parquet"))
 
 
 def test_runtime_oom_relaunches_lower_and_completes(stack: dict[str, Any], tmp_path: Path) -> None:
@@ -229,83 +196,6 @@ def test_sigkill_runs_crash_hook_and_next_run_resumes_exactly_once(stack: dict[s
     after = json.loads((out / "_manifest.json").read_text())["datasets"]["glaive_like"]["shards"]
     assert len(after) == 6
     assert {k: after[k] for k in before} == before  # committed shards were not redone
-
-
-def _artifact(api: Api, run_id: str, key_prefix: str) -> dict[str, Any]:
-    arts = api.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
-    found = [a for a in arts if (a.get("key") or "").startswith(key_prefix)]
-    assert found, [a.get("key") for a in arts]
-    return found[-1]
-
-
-def test_cancelled_run_ends_cancelled_keeps_shards_and_says_how_to_resume(stack: dict[str, Any],
-                                                                            tmp_path: Path) -> None:
-    """Issue 25 item 1: `prefect flow-run cancel` is a Cancelled run everywhere (state, logs, progress,
-    summary), never a crash; the committed shards stay, the server is stopped, and a rerun resumes."""
-    api: Api = stack["api"]
-    # Decode slow enough (about 25 s for the 6 shards) that the cancel, which takes the worker a few
-    # seconds to carry out, lands with shards left: at 12 ms a step a loaded run once finished first.
-    part = _partition(tmp_path, "cancel", ["--emu-decode-ms-per-step", "30", "--emu-output-tokens", "48"])
-    out = tmp_path / "cancel"
-    run, server_pid = _running_with_a_shard(stack, part, out)
-    cancel = subprocess.run([PREFECT, "flow-run", "cancel", run], env=stack["env"], capture_output=True, text=True,
-                            timeout=60)
-    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-    st = api.wait(run, {"CANCELLED", "CRASHED", "FAILED", "COMPLETED"}, 90)
-    time.sleep(3)  # the last log lines travel after the state
-    logs = api.logs(run)
-    assert st["type"] == "CANCELLED", st
-    for wrong in ("Crash detected", "Crashed", "TerminationSignal", "FAILED", "ERROR", "Running()"):
-        assert wrong not in logs, (wrong, logs[-3000:])
-    assert "stopped: the flow run was cancelled" in logs and "Finished: cancelled" in logs, logs[-3000:]
-    assert not pid_alive(server_pid)
-    kept = _committed_shards(out / "_manifest.json", "glaive_like")
-    n = len(kept)
-    assert 1 <= n < 6
-    cause = "cancelled in Prefect (flow-run cancel or the UI)"
-    progress = _artifact(api, run, "datagen-progress")
-    assert progress["description"].startswith(f"cancel: CANCELLED ({cause}) after "), progress["description"]
-    assert f"{n}/6 shards" in progress["description"]
-    summary = _artifact(api, run, "run-summary")
-    assert summary["data"].startswith("# Run summary: CANCELLED"), summary["data"]
-    why = f"{cause}; {n} of 6 shards were committed and are kept: a rerun with the same parameters resumes after them"
-    assert why in summary["data"] and f"CANCELLED: cancel: {n * 50} rows -> {out}" in logs and why in logs
-    # A name a person gives the run is kept (issue 25 item 7); Prefect's made-up one is replaced.
-    assert re.fullmatch(r"cancel-\d{4}-\d\d-\d\d-\d{4}", api.http.get(f"/flow_runs/{run}").json()["name"])
-    rerun = api.run("datagen/demo", name="my-parser-experiment", partition=str(part))
-    st = api.wait(rerun, {"COMPLETED", "FAILED", "CRASHED"}, 150)
-    assert st["type"] == "COMPLETED", st["message"] + api.logs(rerun)[-3000:]
-    assert api.http.get(f"/flow_runs/{rerun}").json()["name"] == "my-parser-experiment"
-    after = _committed_shards(out / "_manifest.json", "glaive_like")
-    assert len(after) == 6 and {k: after[k] for k in kept} == kept
-
-
-def test_validation_failure_is_not_retried_hook_runs_server_stopped(stack: dict[str, Any], tmp_path: Path) -> None:
-    api: Api = stack["api"]
-    part = _partition(tmp_path, "bad", [], sampling="max_new_tokens = 8\n")
-    part.write_text(part.read_text().replace("max_new_tokens = 256\n", ""))
-    run = api.run("datagen/demo", partition=str(part))
-    st = api.wait(run, {"COMPLETED", "FAILED", "CRASHED"}, 150)
-    logs = api.logs(run)
-    assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
-    assert logs.count("Beginning flow run") <= 1 and "Retrying" not in logs  # neither flow nor task retried
-    rec_path = stack["base"] / "state" / "runs" / f"{run}.json"
-    deadline = time.monotonic() + 60
-    # Prefect reports FAILED before the on_failure hook has finished: wait for the hook's mark.
-    while "cleanup" not in (record := json.loads(rec_path.read_text())):
-        assert time.monotonic() < deadline, "failure hook did not run"
-        time.sleep(0.3)
-    assert record["cleanup"]["state"] == "Failed"
-    assert all(not pid_alive(s["pid"]) for s in record["servers"])
-    assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "bad" / "_sim-gpus.json").snapshot()["gpus"])
-    assert os.path.exists(tmp_path / "bad" / "_validation.json")
-    # The worker's own output tells the failure in one line, no traceback (issue 25 item 3).
-    deadline = time.monotonic() + 30
-    worker_log = stack["base"] / "run" / "worker.log"
-    while f"flow run '{run}'" not in (text := worker_log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    mine = text[text.index(f"submitting flow run '{run}'"):]
-    assert "Traceback" not in mine and "unexpected exception" not in mine, mine[-4000:]
 
 
 def test_prefect_variable_store_against_real_api(prefect_server, monkeypatch):

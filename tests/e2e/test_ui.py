@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -29,6 +31,7 @@ from prefect.variables import Variable
 
 from datagen._notify import AUTOMATION_NAME
 from datagen.cmd_up import apply_schedules
+from emulator.simgpu import SimGpus
 from flows.params import PARAMETER_HELP
 from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key, variable_name
 from tests.support.browser import SHOTS_ENV, Page
@@ -39,6 +42,7 @@ from tests.support.runs import partition
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
+PREFECT = str(Path(sys.executable).parent / "prefect")
 BLOCK = "custom-webhook/datagen-ui-test"
 SUMMARY_KEY_PREFIX = "run-summary"  # the run-summary artifact of every finished run
 SHOTS = bool(os.environ.get(SHOTS_ENV))
@@ -141,6 +145,41 @@ def _automations(api: PrefectApi) -> list[dict[str, Any]]:
             if a["name"] == AUTOMATION_NAME]
 
 
+KEPT: dict[str, dict[str, Any]] = {}  # the shards a cancelled run had committed, by run id
+
+
+def _committed(manifest: Path, dataset: str = "glaive_like") -> dict[str, Any]:
+    try:
+        return dict(json.loads(manifest.read_text())["datasets"][dataset]["shards"])
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _watched_demo(stack: dict[str, Any], out: Path) -> tuple[str, str]:
+    """The bundled demo started as a user does, `prefect deployment run datagen/demo --watch`: its run
+    id and the command's output (it returns when the run ends)."""
+    api: PrefectApi = stack["api"]
+    watch = subprocess.Popen(
+        [PREFECT, "deployment", "run", "datagen/demo", "--params", json.dumps({"out": str(out)}), "--watch"],
+        env=dict(stack["env"], PREFECT_API_URL=stack["api_url"]), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        found: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60
+        while not found:  # the watched run, once it exists
+            found = [r for r in api.http.post("/flow_runs/filter", json={}).json()
+                     if r["parameters"].get("out") == str(out)]
+            assert time.monotonic() < deadline, "the watched run was not created"
+            time.sleep(0.3)
+        output, _ = watch.communicate(timeout=240)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, output
+    return found[0]["id"], output
+
+
 def _partition(tmp: Path, extra: list[str], max_new_tokens: int = 256) -> Path:
     tmp.mkdir(parents=True)
     part, _ = partition(tmp, {"glaive_like": 120}, extra, shard=40, conc=8, max_relaunches=2,
@@ -153,8 +192,12 @@ def _partition(tmp: Path, extra: list[str], max_new_tokens: int = 256) -> Path:
 def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     """The runs the UI tests look at, one after another on datagen/demo (one run at a time):
     ``failed`` (validation fails: 8-token answers are truncated) with ``collided`` submitted while it
-    runs (cancelled by the deployment's CANCEL_NEW limit), then ``demo`` (the bundled demo, passes),
-    and with screenshots asked for, ``relaunched`` (the emulator crashes after 60 requests)."""
+    runs (cancelled by the deployment's CANCEL_NEW limit), then ``demo`` (the bundled demo, passes;
+    started by `prefect deployment run --watch`, whose output is ``watch``), ``canary`` (a wrong
+    parser), ``cancelled`` (by `prefect flow-run cancel` once a shard is committed; ``rerun`` resumes
+    it under a name given to the run), and with screenshots asked for, ``relaunched`` (the emulator
+    crashes after 60 requests). The API-level tests of this module check the same runs: one stack
+    and one run per story (test_prefect.py runs the recovery paths the UI does not show)."""
     api: PrefectApi = stack["api"]
     if [a["type"] for a in _automations(api)[0]["actions"]] != ["send-notification"]:
         _up(stack["env"], "--no-worker", "--notify", BLOCK)
@@ -166,7 +209,7 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     assert api.wait(ids["collided"], {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}, 60)["type"] == "CANCELLED"
     st = api.wait(ids["failed"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
     assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
-    ids["demo"] = api.run("datagen/demo", out=str(base / "demo"))
+    ids["demo"], ids["watch"] = _watched_demo(stack, base / "demo")
     st = api.wait(ids["demo"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
     assert st["type"] == "COMPLETED", st["message"] + api.logs(ids["demo"])[-3000:]
     # the canary stops a wrong parser on its first rows (its reason holds <think>...</think>)
@@ -183,11 +226,15 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     while not (manifest.exists() and any(d.get("shards") for d in json.loads(manifest.read_text())["datasets"].values())):
         assert time.monotonic() < deadline, "no shard committed before the cancel"
         time.sleep(0.2)
-    cancel = subprocess.run([DATAGEN.replace("datagen", "prefect"), "flow-run", "cancel", ids["cancelled"]],
+    cancel = subprocess.run([PREFECT, "flow-run", "cancel", ids["cancelled"]],
                             env=dict(stack["env"], PREFECT_API_URL=stack["api_url"]), capture_output=True, text=True,
                             timeout=60)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     assert api.wait(ids["cancelled"], {"CANCELLED", "CRASHED", "FAILED", "COMPLETED"}, 90)["type"] == "CANCELLED"
+    KEPT[ids["cancelled"]] = _committed(manifest)
+    ids["rerun"] = api.run("datagen/demo", name="my-parser-experiment", partition=str(part))
+    st = api.wait(ids["rerun"], {"COMPLETED", "FAILED", "CRASHED"}, 180)
+    assert st["type"] == "COMPLETED", st["message"] + api.logs(ids["rerun"])[-3000:]
     if SHOTS:
         ids["relaunched"] = api.run("datagen/demo", partition=str(_partition(base / "relaunch",
                                                                               ["--emu-crash-after", "60"])))
@@ -285,6 +332,101 @@ def test_learned_fractions_move_to_readable_variables(stack: dict[str, Any], lea
     assert ("learned memory fraction: 0.83 for gpu-ui, /models/Qwen3-8B, tp 8, NVIDIA H200 (headroom 5.5 GiB; "
             "runtime OOM at 0.88; updated ") in status.stdout
     assert f"[prefect: {learned['name']}]" in status.stdout
+
+
+def _rows(out: Path) -> dict[str, list[str]]:
+    ids: dict[str, list[str]] = {}
+    for f in sorted(out.glob("*/shard-*.parquet")):
+        ids.setdefault(f.parent.name, []).extend(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def _artifact(api: PrefectApi, run_id: str, key_prefix: str) -> dict[str, Any]:
+    found = [a for a in _artifacts(api, run_id) if (a.get("key") or "").startswith(key_prefix)]
+    assert found, [a.get("key") for a in _artifacts(api, run_id)]
+    return found[-1]
+
+
+def _record(stack: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """The run record, once the flow's on-failure/on-cancellation hook has marked it (Prefect reports
+    the final state before the hook has finished)."""
+    path = stack["base"] / "state" / "runs" / f"{run_id}.json"
+    deadline = time.monotonic() + 60
+    while "cleanup" not in (record := json.loads(path.read_text())):
+        assert time.monotonic() < deadline, "the run's hook did not run"
+        time.sleep(0.3)
+    return record
+
+
+def test_a_watched_demo_run_completes_every_row_once_and_a_second_run_is_rejected(
+        stack: dict[str, Any], runs: dict[str, str]) -> None:
+    assert "Completed" in runs["watch"], runs["watch"]
+    out = stack["base"] / "demo"
+    rows = _rows(out)
+    assert {k: len(set(v)) for k, v in rows.items()} == {"glaive_like": 300, "opencode_like": 300}
+    assert all(len(v) == len(set(v)) for v in rows.values())
+    assert SimGpus(out / "_sim-gpus.json").snapshot()["gpus"][0]["used_mib"] == 0
+    # `collided`, submitted while `failed` ran, was cancelled by the deployment's limit before it began
+    collided = stack["api"].http.get(f"/flow_runs/{runs['collided']}").json()
+    assert collided["state"]["type"] == "CANCELLED" and "Beginning flow run" not in stack["api"].logs(runs["collided"])
+    assert not list((stack["base"] / "collided").glob("*/shard-*.parquet"))
+
+
+def test_validation_failure_is_not_retried_its_hook_ran_and_nothing_is_left(
+        stack: dict[str, Any], runs: dict[str, str]) -> None:
+    api: PrefectApi = stack["api"]
+    run = runs["failed"]
+    st = api.http.get(f"/flow_runs/{run}").json()["state"]
+    assert st["type"] == "FAILED" and "ValidationFailed" in st["message"], st
+    logs = api.logs(run)
+    assert logs.count("Beginning flow run") <= 1 and "Retrying" not in logs  # neither flow nor task retried
+    record = _record(stack, run)
+    assert record["cleanup"]["state"] == "Failed"
+    assert record["servers"] and all(not pid_alive(s["pid"]) for s in record["servers"])
+    out = stack["base"] / "failed" / "out"
+    assert all(g["used_mib"] == 0 for g in SimGpus(out / "_sim-gpus.json").snapshot()["gpus"])
+    assert (out / "_validation.json").exists()
+    # The worker's own output tells the failure in one line, no traceback (issue 25 item 3).
+    text = (stack["base"] / "run" / "worker.log").read_text()
+    mine = text[text.index(f"submitting flow run '{run}'"):]
+    mine = mine[:mine.index("submitting flow run", 1)] if "submitting flow run" in mine[1:] else mine
+    assert "Traceback" not in mine and "unexpected exception" not in mine, mine[-4000:]
+
+
+def test_a_cancelled_run_is_cancelled_everywhere_keeps_its_shards_and_a_named_rerun_resumes(
+        stack: dict[str, Any], runs: dict[str, str]) -> None:
+    """Issue 25 item 1: `prefect flow-run cancel` is a Cancelled run everywhere (state, logs, progress,
+    summary), never a crash; the committed shards stay, the server is stopped, and a rerun resumes."""
+    api: PrefectApi = stack["api"]
+    run = runs["cancelled"]
+    record = _record(stack, run)
+    assert record["cleanup"]["state"] == "Cancelling"  # Prefect runs on_cancellation hooks as the run enters it
+    assert record["servers"] and all(not pid_alive(s["pid"]) for s in record["servers"])
+    deadline = time.monotonic() + 30
+    while "Finished: cancelled" not in (logs := api.logs(run)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the last log lines travel after the state
+    for wrong in ("Crash detected", "Crashed", "TerminationSignal", "FAILED", "ERROR", "Running()"):
+        assert wrong not in logs, (wrong, logs[-3000:])
+    assert "stopped: the flow run was cancelled" in logs and "Finished: cancelled" in logs, logs[-3000:]
+    out = stack["base"] / "cancel" / "out"
+    kept = KEPT[run]
+    n = len(kept)
+    assert 1 <= n < 3
+    cause = "cancelled in Prefect (flow-run cancel or the UI)"
+    progress = _artifact(api, run, "datagen-progress")
+    assert progress["description"].startswith(f"recovery: CANCELLED ({cause}) after "), progress["description"]
+    assert f"{n}/3 shards" in progress["description"]
+    summary = _artifact(api, run, SUMMARY_KEY_PREFIX)
+    assert summary["data"].startswith("# Run summary: CANCELLED"), summary["data"]
+    why = f"{cause}; {n} of 3 shards were committed and are kept: a rerun with the same parameters resumes after them"
+    assert why in summary["data"] and f"CANCELLED: recovery: {n * 40} rows -> {out}" in logs and why in logs
+    # A name a person gives the run is kept (issue 25 item 7); Prefect's made-up one is replaced by the
+    # partition file's name and the time.
+    assert re.fullmatch(r"partition-\d{4}-\d\d-\d\d-\d{4}", api.http.get(f"/flow_runs/{run}").json()["name"])
+    assert api.http.get(f"/flow_runs/{runs['rerun']}").json()["name"] == "my-parser-experiment"
+    after = _committed(out / "_manifest.json")
+    assert len(after) == 3 and {k: after[k] for k in kept} == kept
+    assert sorted(_rows(out)["glaive_like"]) == [f"glaive_like-{i:04d}" for i in range(120)]
 
 
 # ------------------------------------------------------------------------------ in a browser
