@@ -22,7 +22,7 @@ retried: what it raises a rerun of the same step would raise again.
 task            retries delay between tries (s)      retried when
 =============== ======= ============================ ==============================================
 hygiene         2       2, 4                         ``retry_transient`` (GPUs not yet clean)
-launch          2       3, 6                         ``retry_launch`` (a transient launch failure)
+launch          2       3, 6                         ``retry_transient`` (a transient launch failure)
 health          3       1, 2, 4                      always (``/health_generate`` not yet 200)
 identify-server 3       1, 2, 4                      always (the shared server not yet answering)
 infer           2       5, 10 (jitter 50%)           ``retry_transient`` (transport errors)
@@ -52,7 +52,6 @@ __all__ = [
     "is_retryable",
     "launch_server",
     "needs_relaunch",
-    "retry_launch",
     "retry_transient",
 ]
 
@@ -73,7 +72,9 @@ def _exception(state: Any) -> BaseException | None:
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """``retry_condition_fn`` for stages whose errors follow the rule above (hygiene, inference).
+    """``retry_condition_fn`` of the retried stages (hygiene, launch, inference): the rule above. For
+    the launch, ``LaunchFailed.retryable`` consults the failure kind (a bad flag, a missing model or
+    too little host memory fail again).
 
     Args:
         task: the Prefect task (unused).
@@ -82,13 +83,6 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     """
     exc = _exception(state)
     return exc is not None and is_retryable(exc)
-
-
-def retry_launch(task: Any, task_run: Any, state: Any) -> bool:
-    """``retry_condition_fn`` for the server launch: ``LaunchFailed.retryable`` consults the failure
-    kind (a bad flag, a missing model or too little host memory fail again), otherwise the rule above.
-    """
-    return retry_transient(task, task_run, state)
 
 
 def needs_relaunch(exc: BaseException) -> bool:
@@ -102,7 +96,7 @@ def needs_relaunch(exc: BaseException) -> bool:
 hygiene = _hygiene.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
                                 retry_condition_fn=retry_transient)
 launch_server = _launch_server.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=3),
-                                            retry_condition_fn=retry_launch)
+                                            retry_condition_fn=retry_transient)
 health_check = _health_check.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
 identify_server = _identify_server.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
 infer_dataset = _infer_dataset.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5),

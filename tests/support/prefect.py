@@ -2,7 +2,7 @@
 temporary PREFECT_HOME, analytics off), stopped by pid at the end: the ``prefect_server`` fixture.
 
 ``migrated_home(dest)``: a fresh PREFECT_HOME whose SQLite database is already at Prefect's schema
-head, copied from one migrated once per test session. A plain `datagen run` starts Prefect's
+head, copied from one migrated once per test run (all xdist workers). A plain `datagen run` starts Prefect's
 ephemeral API on its PREFECT_HOME, and on an empty one it first runs every database migration
 (about 6 s here, more under load); the tests that give each run its own home copy this instead.
 """
@@ -10,6 +10,7 @@ ephemeral API on its PREFECT_HOME, and on an empty one it first runs every datab
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
 import signal
@@ -52,24 +53,49 @@ class PrefectServer:
         return env
 
 
-_TEMPLATE: list[Path] = []  # the migrated home of this session, made on first use
+_TEMPLATE: list[Path] = []  # the migrated home of this test run, made on first use
+_TEMPLATE_ROOT: list[Path] = []  # where it is made: shared by the run's xdist workers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _template_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The run's temporary root (one level above an xdist worker's own): the migrated home is made
+    there once for every worker, and pytest's retention of old runs' folders removes it."""
+    base = tmp_path_factory.getbasetemp()
+    _TEMPLATE_ROOT.append(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+
+
+def _template() -> Path:
+    """The migrated home, made by the first worker to need it (``prefect server database upgrade -y``,
+    under a lock the others wait on) and reused by the rest."""
+    if _TEMPLATE:
+        return _TEMPLATE[0]
+    if _TEMPLATE_ROOT:
+        root = _TEMPLATE_ROOT[0]
+    else:  # outside a test session
+        root = Path(tempfile.mkdtemp(prefix="datagen-prefect-home-"))
+        atexit.register(shutil.rmtree, root, True)
+    template = root / "prefect-home-template"
+    with open(root / "prefect-home-template.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (template / "prefect.db").is_file():
+            work = Path(tempfile.mkdtemp(prefix="prefect-home-", dir=root))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            env.update(PREFECT_HOME=str(work), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+            done = subprocess.run([str(VENV_BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env,
+                                  capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+            assert done.returncode == 0 and (work / "prefect.db").is_file(), done.stdout + done.stderr
+            work.rename(template)
+    _TEMPLATE.append(template)
+    return template
 
 
 def migrated_home(dest: Path) -> Path:
     """``dest`` made a PREFECT_HOME holding a migrated, empty SQLite database (what an empty home
-    holds after its first run's migrations) unless it holds a database already; returns ``dest``. The template is made once per session
-    by ``prefect server database upgrade -y`` and removed at exit."""
-    if not _TEMPLATE:
-        template = Path(tempfile.mkdtemp(prefix="datagen-prefect-home-"))
-        atexit.register(shutil.rmtree, template, True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(PREFECT_HOME=str(template), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-        done = subprocess.run([str(VENV_BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env,
-                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-        assert done.returncode == 0 and (template / "prefect.db").is_file(), done.stdout + done.stderr
-        _TEMPLATE.append(template)
+    holds after its first run's migrations) unless it holds a database already; returns ``dest``. The
+    template is made once per test run (``_template``)."""
     if not (dest / "prefect.db").exists():  # a home in use is left as it is
-        shutil.copytree(_TEMPLATE[0], dest, dirs_exist_ok=True)
+        shutil.copytree(_template(), dest, dirs_exist_ok=True)
     return dest
 
 

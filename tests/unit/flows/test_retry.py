@@ -8,7 +8,8 @@ import httpx
 import pytest
 from prefect.states import Completed, Failed
 
-from flows.retry import is_retryable, needs_relaunch, retry_launch, retry_transient
+from flows import retry
+from flows.retry import is_retryable, needs_relaunch, retry_transient
 from tasks.config import ConfigError
 from tasks.hygiene import GpusNotClean
 from tasks.inference import PromptTooLong, RequestRejected, ServerGone
@@ -83,19 +84,17 @@ def _id(exc: BaseException) -> str:
 def test_never_retried(exc: BaseException) -> None:
     assert is_retryable(exc) is False
     assert retry_transient(None, None, _failed(exc)) is False
-    assert retry_launch(None, None, _failed(exc)) is False
 
 
 @pytest.mark.parametrize("exc", RETRIED, ids=_id)
 def test_retried(exc: BaseException) -> None:
     assert is_retryable(exc) is True
     assert retry_transient(None, None, _failed(exc)) is True
-    assert retry_launch(None, None, _failed(exc)) is True
 
 
 def test_a_state_without_an_exception_is_not_retried() -> None:
     assert retry_transient(None, None, Completed(data=3)) is False
-    assert retry_launch(None, None, Failed(message="crashed")) is False
+    assert retry_transient(None, None, Failed(message="crashed")) is False
 
 
 @pytest.mark.parametrize("exc", [ServerGone("gone"), ServerGoneForGood("gone")], ids=_id)
@@ -109,3 +108,13 @@ def test_needs_relaunch_for_server_gone(exc: BaseException) -> None:
 ], ids=_id)
 def test_no_relaunch_for_other_errors(exc: BaseException) -> None:
     assert needs_relaunch(exc) is False
+
+
+def test_the_retried_stages_carry_the_table_of_the_module_docstring() -> None:
+    table = {t.name: (t.retries, t.retry_condition_fn) for t in
+             (retry.hygiene, retry.launch_server, retry.health_check, retry.identify_server, retry.infer_dataset)}
+    assert {name: r for name, (r, _) in table.items()} == {
+        "hygiene": 2, "launch_server": 2, "health_check": 3, "identify-server": 3, "infer_dataset": 2}
+    assert {name for name, (_, fn) in table.items() if fn is retry_transient} == {
+        "hygiene", "launch_server", "infer_dataset"}
+    assert {name for name, (_, fn) in table.items() if fn is None} == {"health_check", "identify-server"}

@@ -121,6 +121,11 @@ def test_callback_failure_stops_run_cleanly_then_resumes(tmp_path, emulator):
     assert_exactly_once(out, ids)
 
 
+def _journaled(out) -> int:
+    """Rows in the journal: answered and accounted, not yet in a committed shard."""
+    return sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
+
+
 def test_a_failing_gate_lets_no_shard_waiting_for_its_turn_commit(tmp_path, emulator):
     """The first shard's gate fails while the other shards, filled meanwhile, wait for the commit turn:
     only the judged shard is committed. ciL saw shard 1 committed after shard 0's gate failed: the turn
@@ -141,13 +146,15 @@ def test_a_failing_gate_lets_no_shard_waiting_for_its_turn_commit(tmp_path, emul
         while metrics(emulator.url)["num_requests_total"] - before < 48 and time.monotonic() < deadline:
             time.sleep(0.02)
         wait_idle(emulator.url)  # every answer is back: the other shards filled and wait for the turn
-        time.sleep(0.5)  # and the client has accounted them
+        while _journaled(out) < 48 - 16 and time.monotonic() < deadline:
+            time.sleep(0.01)  # and the client has written their rows to the journal
         raise Gate(f"shard {rec.index} failed validation")
 
     with pytest.raises(Gate):
         run(inp, out, emulator.url, on_shard_committed=gate, concurrency=48)
     assert judged == sorted(OutputDir(out).committed_indices("ds")) and len(judged) == 1
     assert OutputDir(out).lock_holder() is None
+    assert _journaled(out) == 48 - 16  # the other shards' rows stay journaled for the rerun
 
 
 def test_prerendered_prompt_that_opens_think_is_split_as_forced(tmp_path, emulator):
