@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
 from tasks.inference._budget import TruncationPolicy, capped_sampling
 from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong, cached_tokens
 from tasks.inference._order import Gate, SendQueue
@@ -34,7 +36,7 @@ from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
 from tasks.inference._rows import RowBuilder, conversation_slots, public_reject, request_id
 from tasks.prompts import Reject
 from tasks.reasoning import request_sampling
-from tasks.shards import Journal, OutputDir, ShardRecord, reject_units
+from tasks.shards import Journal, JournalContents, OutputDir, ShardRecord, reject_units, rows_to_table
 
 __all__ = ["InferencePool"]
 
@@ -167,11 +169,18 @@ class InferencePool:
 
     def _commit_sync(self, shard: _OpenShard) -> ShardRecord:
         shard.journal.close()
-        contents = Journal.read(shard.journal.path)
+        # The journal's rows as one Arrow table, built once: read without the per-row storability
+        # check, and again with it only when the build fails (a line an older run left that the
+        # schema cannot hold: the checked read skips it, and a later good copy of its row counts).
+        contents = Journal.read(shard.journal.path, check_rows=False)
         lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
-        rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
-                      key=lambda r: (int(r.get("_pos", 0)), int(r.get("sample", 0))))
-        rows = [self.rows.with_current_split(RowBuilder.with_budget(r)) for r in rows]
+        try:
+            rows = self._shard_rows(contents, lo, hi)
+            table = rows_to_table(rows)
+        except (KeyError, TypeError, ValueError, pa.ArrowException):
+            contents = Journal.read(shard.journal.path)
+            rows = self._shard_rows(contents, lo, hi)
+            table = rows_to_table(rows)
         rejects = [public_reject(r) for (p, _), r in sorted(contents.rejects.items()) if lo <= p < hi]
         units = len(rows) + reject_units(rejects, self.samples)
         if units != shard.expected:
@@ -180,7 +189,13 @@ class InferencePool:
                 f"{len(rejects)} rejects ({units} of {shard.expected} record samples) "
                 f"(journal {shard.journal.path})"
             )
-        return self.out.commit_shard(self.spec.name, shard.index, rows, rejects, samples=self.samples)
+        return self.out.commit_shard(self.spec.name, shard.index, table, rejects, samples=self.samples)
+
+    def _shard_rows(self, contents: JournalContents, lo: int, hi: int) -> list[dict[str, Any]]:
+        """The journal's rows of positions ``lo`` to ``hi``, in input order, in their stored form."""
+        rows = sorted((r for r in contents.rows.values() if lo <= int(r.get("_pos", lo)) < hi),
+                      key=lambda r: (int(r.get("_pos", 0)), int(r.get("sample", 0))))
+        return [self.rows.with_current_split(RowBuilder.with_budget(r)) for r in rows]
 
     async def _commit(self, shard: _OpenShard) -> None:
         """Commit ``shard``, report it, then run the gate (``on_shard_committed``), one shard at a
