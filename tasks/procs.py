@@ -232,5 +232,5 @@ def _kill_strays(strays: list[ProcessIdentity], wait_s: float) -> GroupEnd:
     deadline = time.monotonic() + wait_s
     while any(same_process(k) for k in live) and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = tuple(sorted(k.pid for k in live))
-    return GroupEnd("SIGKILL" if live else "gone", pids, tuple(live_pids(pids)))
+    return GroupEnd("SIGKILL" if live else "gone", tuple(sorted(k.pid for k in live)),
+                    tuple(sorted(k.pid for k in live if same_process(k))))

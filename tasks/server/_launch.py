@@ -110,12 +110,16 @@ class ServerHandle:
     gpus: list[int]
     progress: StartupProgress
     ready_s: float
-    member_pids: list[int] = field(default_factory=list)  # group members seen at readiness
-    _members: list[ProcessIdentity] = field(default_factory=list, repr=False)  # the same, with start times
+    _members: list[ProcessIdentity] = field(default_factory=list, repr=False)  # group members seen at readiness
     api_key: str | None = field(default=None, repr=False)
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _tunnel: server_remote.Tunnel | None = field(default=None, repr=False)
     _leash: Leash | None = field(default=None, repr=False)  # ends the group if this process dies
+
+    @property
+    def member_pids(self) -> list[int]:
+        """The group's members seen at readiness (their start times in ``_members``)."""
+        return [i.pid for i in self._members]
 
     @property
     def headroom_gib(self) -> float | None:
@@ -257,7 +261,6 @@ def launch(
         raise
     if not handle.is_remote:
         handle._members = [i for i in map(ProcessIdentity.of, group_pids(handle.pgid)) if i is not None]
-        handle.member_pids = [i.pid for i in handle._members]
     return handle
 
 

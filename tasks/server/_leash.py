@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 
+from tasks.gpus import _stat as proc_stat
 from tasks.targets import Target, parse_target, remote_python, ssh_command
 
 __all__ = ["LEASH_GRACE_S", "LEASH_SCRIPT", "Leash", "leash"]
@@ -113,11 +114,8 @@ class Leash:
 
 def _start_ticks(pid: int) -> str:
     """Field 22 of ``/proc/PID/stat`` (start time in clock ticks since boot), or "-" when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "-"
+    st = proc_stat(pid)
+    return "-" if st is None else str(st[5])
 
 
 def leash(target: str | Target, pgid: int, grace_s: float = LEASH_GRACE_S) -> Leash:
