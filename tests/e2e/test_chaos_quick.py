@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import migrated_home
 
 ROOT = REPO_ROOT
 
@@ -18,6 +19,7 @@ ROOT = REPO_ROOT
 @pytest.mark.slow
 def test_chaos_quick_rounds_lose_nothing(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
+    migrated_home(tmp_path / "work" / "prefect")  # chaos.py's server home: no migrations at its start
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--rounds", "2", "--seed", "7", "--quick",
          "--faults", "server_crash,kill9", "--work-dir", str(tmp_path / "work"), "--json", str(report)],

@@ -217,28 +217,27 @@ ARTIFACT_SCRIPT = """
 import json, sys
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from tasks.validation import publish_artifacts, validate_output
-from tests.support.paths import REPO_ROOT
 
 @flow(name="validation-artifacts")
 def publish(out):
     return publish_artifacts(validate_output(out), "Validation Run_1")
 
-with prefect_test_harness(server_startup_timeout=120):
-    ids = publish(sys.argv[1])
-    with get_client(sync_client=True) as client:
-        arts = client.read_artifacts()
-    print(json.dumps({"ids": ids, "arts": [{"key": a.key, "type": a.type, "data": a.data} for a in arts]}))
+state = publish(sys.argv[1], return_state=True)
+run_id = state.state_details.flow_run_id
+with get_client(sync_client=True) as client:
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+print(json.dumps({"ids": state.result(), "arts": [{"key": a.key, "type": a.type, "data": a.data} for a in arts]}))
 """
 
 
-def test_artifacts_in_a_flow_run(tmp_path):
+def test_artifacts_in_a_flow_run(tmp_path, prefect_server):
+    """On the session's server (the artifacts of this flow run only)."""
     out = write_output(tmp_path / "out", {"glaive": [clean_rows("glaive", 30, parser=None)]}, shard_size=30)
     env = {**os.environ, "PREFECT_HOME": str(migrated_home(tmp_path / "prefect")),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_LOGGING_LEVEL": "WARNING"}
-    env.pop("PREFECT_API_URL", None)
+           "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_API_URL": prefect_server.api_url}
     proc = subprocess.run([sys.executable, "-c", ARTIFACT_SCRIPT, str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,7 +37,7 @@ from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key,
 from tests.support.browser import SHOTS_ENV, Page
 from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import PrefectApi
+from tests.support.prefect import PrefectApi, migrated_home
 from tests.support.runs import partition
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`datagen up` with DATAGEN_PREFECT_PORT set to a free port, no PREFECT_API_URL in the shell."""
     base = tmp_path_factory.mktemp("ui")
     port = free_port()
-    env = dict(os.environ, PREFECT_HOME=str(base / "prefect"), DATAGEN_PREFECT_PORT=str(port),
+    # the home pre-migrated: `up`'s server starts without running every migration first (the first
+    # start on an empty home: tests/e2e/test_readme_production.py)
+    env = dict(os.environ, PREFECT_HOME=str(migrated_home(base / "prefect")), DATAGEN_PREFECT_PORT=str(port),
                DATAGEN_HOME=str(REPO_ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",

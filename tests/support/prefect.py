@@ -141,13 +141,14 @@ def _stop_group(pid: int) -> None:
     _stop(proc, signal.SIGTERM, 10.0)
 
 
-# Loop services no test of this server needs: they wake every few seconds for the whole session
-# (an idle server: about 1.7 CPU-s a minute with them, 1.05 without). No test here schedules a run for
-# later, waits for a run to turn Late, watches a worker go offline or a pause expire; the deployment
-# tests' runs are submitted and picked up at once. Event persistence and triggers stay on (the secrets
-# test reads events; notifications are automations).
+# Loop services no test of this server needs: they wake every few seconds for the whole session.
+# No test here schedules a run for later, waits for a run to turn Late, watches a worker go offline
+# or a pause expire; the deployment tests' runs are submitted and picked up at once. The repossessor
+# stays on: it frees the GPU-slot lease of a run a test SIGKILLed once the lease expires, and the next
+# test's run (with a state folder of its own, so it cannot know that run) waits for it. Event
+# persistence and triggers stay on (the secrets test reads events; notifications are automations).
 _IDLE_SERVICES_OFF = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
-    "SCHEDULER", "LATE_RUNS", "FOREMAN", "REPOSSESSOR", "PAUSE_EXPIRATIONS")}
+    "SCHEDULER", "LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS")}
 
 
 def _start_server(home: Path, deadline_s: float) -> tuple[subprocess.Popen[bytes], PrefectServer]:
