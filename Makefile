@@ -44,7 +44,7 @@ unit: $(STAMP) bytecode
 # first (tests/conftest.py HEAVIEST_FIRST; --no-loadscope-reorder keeps that order: xdist's own puts
 # the files with most tests first and left the minute-long one-test files for the end).
 # docs/testing-history.md has the measurements. TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 # PYTHONDONTWRITEBYTECODE emptied for pytest: it then caches its rewritten test modules (collection in
 # each worker: 4.6 CPU-s instead of 8.4).
 test: lint bytecode
