@@ -40,10 +40,11 @@ lint: $(STAMP)
 unit: $(STAMP) bytecode
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
-# Three pytest-xdist workers, whole files per worker (module fixtures stay shared), handed out heaviest
+# Four pytest-xdist workers on two cores (the suite waits on servers and runs; with three the cores were
+# idle 14% of the time), whole files per worker (module fixtures stay shared), handed out heaviest
 # first (tests/conftest.py HEAVIEST_FIRST; --no-loadscope-reorder keeps that order: xdist's own puts
 # the files with most tests first and left the minute-long one-test files for the end).
-# docs/testing-history.md has the measurements. TEST_WORKERS=0: serial.
+# docs/testing.md has the measurements. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 4
 # PYTHONDONTWRITEBYTECODE emptied for pytest: it then caches its rewritten test modules (collection in
 # each worker: 4.6 CPU-s instead of 8.4).

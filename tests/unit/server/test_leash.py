@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tasks.procs import live_pids
 from tasks.server._leash import leash
-from tests.support.common import TrackedPids, kill_trees, start_on_pid
+from tests.support.common import TrackedPids, kill_trees, past_start_tick, start_on_pid
 
 # A stand-in for a launched server: a leader in its own session with a child, both sleeping; with
 # IGNORE, both ignore SIGTERM (a server stuck in its drain).
@@ -127,7 +127,11 @@ def test_a_leash_never_signals_a_group_id_the_kernel_gave_to_another_process() -
     tracked = _track([guard.pid])
     stranger = None
     try:
-        server.kill()  # at once: the guardian may not even have started yet
+        # A process is known by pid and start time in clock ticks (10 ms). Real reuse of a pid comes
+        # after the kernel has gone through the other 32,767, never within one tick of its first
+        # owner's start; forced with ns_last_pid it can, so the stranger starts a tick later.
+        past_start_tick()
+        server.kill()  # the guardian may not even have started yet
         server.wait(5)
         stranger = start_on_pid(server.pid, [sys.executable, "-c", "import time; time.sleep(600)"],
                                 start_new_session=True)
