@@ -7,6 +7,7 @@ import tempfile
 import uuid
 
 import psutil
+import pytest
 
 pytest_plugins = [
     "tests.support.common",
@@ -62,20 +63,29 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_server_emulator.py",  # 65 s
     "tests/e2e/test_damaged_output.py",  # 63 s
     "tests/e2e/test_ui_story.py",  # 48 s
-    "tests/sglang/test_differential.py",  # 48 s
+    "tests/sglang/test_differential.py",  # 48 s, and test_server.py's 45 s now on the same real server
     "tests/e2e/test_hostile_output.py",  # 45 s
     "tests/e2e/test_cli_server_url.py",  # 45 s
-    "tests/sglang/test_server.py",  # 45 s
     "tests/e2e/test_cli_adhoc.py",  # 40 s
     "tests/e2e/test_reasoning_bug.py",  # 39 s
 )
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of parametrized fixtures
 def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-untyped-def]
     """The files of HEAVIEST_FIRST first, in its order; every other file after them, as collected.
-    Within a file the order is kept (a stable sort)."""
+    Within a file the order is kept (a stable sort), except that the tests marked ``last`` (they
+    stop a server the file's other tests share) run after the rest of their file."""
     rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item):  # type: ignore[no-untyped-def]
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank)), first[path], item.get_closest_marker("last") is not None
+
+    items.sort(key=key)
 
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
