@@ -19,10 +19,10 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -61,6 +61,7 @@ from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
 pytestmark = [pytest.mark.timeout(600)]
 
 SUBJECTS = ["emulator", pytest.param("sglang", marks=pytest.mark.sglang)]
+T = TypeVar("T")
 EMU_ARGS = ("--emu-load-time", "0.3", "--emu-graph-time", "0.05", "--emu-warmup-time", "1.0")
 
 
@@ -108,25 +109,24 @@ class Live:
     names: dict[int, str] = field(default_factory=dict)  # group member -> process name, at readiness
 
 
-@pytest.fixture(scope="module")
-def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    base = tmp_path_factory.mktemp("sglang-live")
-    # a backslash and both quotes: SGLang prints server_args as a repr, where the raw key does not appear
-    key = "sk-te\\st'\"-" + secrets.token_hex(16)
-    cfg = cpu_config(tiny_model, api_key=key, reasoning_parser="qwen3")
+def _watched(url: str, start: Callable[[], T]) -> tuple[T, list[str]]:
+    """``start()`` (a launch) while a thread records what ``url``/health_generate answers, repeats
+    folded; after a launch that succeeded the thread sees the 200 too."""
     health: list[str] = []
     done = threading.Event()
-    watcher = threading.Thread(target=watch_health, args=(cfg.url, health, done), daemon=True)
+    watcher = threading.Thread(target=watch_health, args=(url, health, done), daemon=True)
     watcher.start()
-    memory_file = base / "fractions.json"
     try:
-        handle, report = launch_tuned(
-            cfg, "local", base / "logs", deadline_s=DEADLINE_S, memory=FractionMemory(FileStore(memory_file)),
-            gpu_name="cpu", hygiene=None,
-        )
-    finally:
+        return start(), health
+    except BaseException:
         done.set()
-        watcher.join(10)
+        raise
+    finally:
+        watcher.join(30)
+
+
+def _members(handle: ServerHandle) -> tuple[dict[int, str], dict[int, str]]:
+    """The command line and the process name of each group member seen at readiness."""
     cmdlines, names = {}, {}
     for pid in handle.member_pids:
         try:
@@ -134,6 +134,20 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             cmdlines[pid], names[pid] = " ".join(proc.cmdline()), proc.name()
         except psutil.Error:
             continue
+    return cmdlines, names
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    base = tmp_path_factory.mktemp("sglang-live")
+    # a backslash and both quotes: SGLang prints server_args as a repr, where the raw key does not appear
+    key = "sk-te\\st'\"-" + secrets.token_hex(16)
+    cfg = cpu_config(tiny_model, api_key=key, reasoning_parser="qwen3")
+    memory_file = base / "fractions.json"
+    (handle, report), health = _watched(cfg.url, lambda: launch_tuned(
+        cfg, "local", base / "logs", deadline_s=DEADLINE_S, memory=FractionMemory(FileStore(memory_file)),
+        gpu_name="cpu", hygiene=None))
+    cmdlines, names = _members(handle)
     yield Live(cfg, handle, report, key, memory_file, health, cmdlines, names)
     stop_server(handle, grace_s=30.0, hygiene=None)
 
@@ -148,24 +162,8 @@ def subject(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     base = tmp_path_factory.mktemp(f"differential-{kind}")
     key = "sk-diff-" + secrets.token_hex(12)
     cfg = _emulator_config(base, key)
-    health: list[str] = []
-    done = threading.Event()
-    watcher = threading.Thread(target=watch_health, args=(cfg.url, health, done), daemon=True)
-    watcher.start()
-    try:
-        handle = launch(cfg, "local", None, base / "logs", deadline_s=DEADLINE_S)
-    except BaseException:
-        done.set()
-        raise
-    finally:
-        watcher.join(30)  # after a launch that succeeded it sees the 200 too
-    names = {}
-    for pid in handle.member_pids:
-        try:
-            names[pid] = psutil.Process(pid).name()
-        except psutil.Error:
-            continue
-    yield Subject(kind, cfg, handle, key, health, names)
+    handle, health = _watched(cfg.url, lambda: launch(cfg, "local", None, base / "logs", deadline_s=DEADLINE_S))
+    yield Subject(kind, cfg, handle, key, health, _members(handle)[1])
     stop_server(handle, grace_s=30.0, hygiene=None)
 
 
