@@ -1,4 +1,9 @@
 # datagen: `make demo` and `make test` work on a fresh clone with only python3 and make.
+
+# Python caches each module's bytecode the first time a process imports it, unless
+# PYTHONDONTWRITEBYTECODE is set (these machines and CI set it): then the suite's hundreds of `datagen`,
+# Prefect and emulator processes would each compile Prefect and the project from source again.
+unexport PYTHONDONTWRITEBYTECODE
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,13 +11,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install bytecode demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu ui-shots
 
-# uv installs from its cache in about 20 s where pip takes about 50 s (CI starts from a fresh clone);
-# pip does it when uv cannot be had. --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is
-# set (CI here) no .pyc is ever written later, and every process would compile Prefect's server anew.
+# uv installs from its cache in about 3 s where pip takes about 50 s (CI starts from a fresh clone); pip
+# does it when uv cannot be had. No bytecode at install: compiling all of site-packages cost about
+# 30 CPU-s, most of it for packages nothing here imports. `make bytecode` writes what the processes read.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -m pip install -q uv 2>/dev/null; then \
-	  $(PY) -m uv pip install -q --compile-bytecode --python $(PY) -e '.[dev]'; \
+	  $(PY) -m uv pip install -q --python $(PY) -e '.[dev]'; \
 	else \
 	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev]'; \
 	fi
@@ -38,7 +43,7 @@ lint: $(STAMP)
 	$(PY) -m mypy datagen emulator tasks flows
 
 unit: $(STAMP) bytecode
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q
 
 # Four pytest-xdist workers on two cores (the suite waits on servers and runs; with three the cores were
 # idle 14% of the time), whole files per worker (module fixtures stay shared), handed out heaviest
@@ -46,16 +51,20 @@ unit: $(STAMP) bytecode
 # the files with most tests first and left the minute-long one-test files for the end).
 # docs/testing.md has the measurements. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 4
-# PYTHONDONTWRITEBYTECODE emptied for pytest: it then caches its rewritten test modules (collection in
-# each worker: 4.6 CPU-s instead of 8.4).
-test: lint bytecode
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# Lint and the bytecode step run side by side: mypy (about 14 s on a fresh clone) keeps one core busy.
+test: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 lint bytecode
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The project's own modules compiled once: where PYTHONDONTWRITEBYTECODE is set (CI here) Python never
-# caches them, and each of the suite's hundreds of `datagen`, emulator and flow-run processes compiled
-# them again (0.23 CPU-s each; docs/testing.md). Python still reads a .pyc and recompiles an edited file.
-bytecode: $(STAMP)
-	@$(PY) -m compileall -q -j 0 datagen tasks flows emulator tests bench >/dev/null
+# The bytecode the suite's processes read, written once per environment by one process before the
+# tests (tests/support/bytecode.py): four workers would otherwise compile the same modules at once.
+# Later edits are compiled by the first process that imports them.
+BYTECODE := $(VENV)/.bytecode
+$(BYTECODE): $(STAMP)
+	@$(PY) -m tests.support.bytecode
+	@touch $(BYTECODE)
+
+bytecode: $(BYTECODE)
 
 bench: $(STAMP) bytecode
 	$(PY) bench/run.py
