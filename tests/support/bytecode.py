@@ -6,7 +6,7 @@ Makefile keeps PYTHONDONTWRITEBYTECODE out of its recipes, so each module is com
 process imports it and read from its `.pyc` after that. Left to the tests, four pytest-xdist workers
 would each compile the same modules at the same moment while they collect; this one process compiles
 them first: the project's modules, everything they import, and what the suite's other processes import
-(the Prefect server, worker and flow engine); then it collects the tests, so that pytest's rewritten test
+(the Prefect server, worker and flow engine); and it collects the tests, so that pytest's rewritten test
 modules are cached too (each worker rewrote every test module: about 3.5 CPU-s apiece).
 
     python -m tests.support.bytecode      (make bytecode, once per environment)
@@ -40,6 +40,12 @@ def main() -> int:
               file=sys.stderr)
         return 2
     ok = all(compileall.compile_dir(ROOT / name, quiet=1, workers=1) for name in (*PACKAGES, "tests", "bench"))
+    said = io.StringIO()  # first: pytest must import its plugins itself (it rewrites their asserts)
+    with contextlib.redirect_stdout(said):
+        collected = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")])
+    if collected != 0:
+        print(said.getvalue()[-5000:], file=sys.stderr)
+        return int(collected)
     names = list(OTHERS)
     for pkg in PACKAGES:
         mod = importlib.import_module(pkg)
@@ -47,12 +53,6 @@ def main() -> int:
                   if not info.name.endswith("__main__")]
     for name in names:
         importlib.import_module(name)
-    said = io.StringIO()
-    with contextlib.redirect_stdout(said):
-        collected = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")])
-    if collected != 0:
-        print(said.getvalue()[-5000:], file=sys.stderr)
-        return int(collected)
     return 0 if ok else 1
 
 
