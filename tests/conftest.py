@@ -52,7 +52,8 @@ os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 HEAVIEST_FIRST = (
     "tests/e2e/test_prefect.py",  # 294 s
     "tests/e2e/test_run_interrupts.py",  # 204 s
-    "tests/sglang/test_user_path.py",  # 176 s
+    "tests/sglang/test_differential.py",  # about 110 s: the probes, the real-only checks and the --server-url runs
+    "tests/sglang/test_user_path.py",  # about 100 s (the --server-url runs moved to test_differential.py)
     "tests/e2e/test_ui.py",  # 171 s
     "tests/e2e/test_scale_out.py",  # 142 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
@@ -63,7 +64,6 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_server_emulator.py",  # 65 s
     "tests/e2e/test_damaged_output.py",  # 63 s
     "tests/e2e/test_ui_story.py",  # 48 s
-    "tests/sglang/test_differential.py",  # 48 s, and test_server.py's 45 s now on the same real server
     "tests/e2e/test_hostile_output.py",  # 45 s
     "tests/e2e/test_cli_server_url.py",  # 45 s
     "tests/e2e/test_cli_adhoc.py",  # 40 s

@@ -5,8 +5,9 @@ Each probe asserts what real SGLang does (endpoints, status codes, JSON key sets
 and without the key, startup phases, finish reasons, the log lines datagen parses, process titles,
 the exit on SIGTERM); the emulator must do the same. One server of each kind serves the whole module,
 launched through datagen's launcher with an API key; the real one (`launch_tuned`, as a run does)
-also serves the real-only checks, which would otherwise take a launch of their own (about 30 CPU-s
-and a minute of warm-up here). The tests that stop a server are marked ``last``: they run after
+also serves the real-only checks and the `datagen run --server-url` runs a team's shared server
+gets (killed, then resumed with the identical command), which would otherwise take launches of their
+own (about 40 CPU-s and a minute of warm-up each here). The tests that stop a server are marked ``last``: they run after
 every other test of the file (tests/conftest.py). What the emulator does differently on purpose (GPU
 memory, always-on /metrics, ...) is listed in docs/emulator.md's known differences, not probed here.
 """
@@ -56,7 +57,27 @@ from tasks.server import (
 )
 from tests.support.common import free_port
 from tests.support.emulator import DEMO_MODEL
-from tests.support.sglang import CONTEXT, DEADLINE_S, cpu_config, watch_health
+from tests.support.inference import (
+    committed_keys,
+    committed_rows,
+    rows_on_disk,
+    turns_on_disk,
+    write_conversations,
+)
+from tests.support.runs import kill_after_first_commit
+from tests.support.sglang import (
+    CONTEXT,
+    DATAGEN,
+    DEADLINE_S,
+    TOKENS,
+    cpu_config,
+    run_datagen,
+    run_env,
+    run_partition,
+    run_summaries,
+    watch_health,
+    write_prompts,
+)
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -557,6 +578,69 @@ def test_unknown_sampling_key_is_refused_when_the_config_loads(tiny_model: Path,
                  '[sampling]\nseed = 1\n[output]\nroot = "o"\n')
     with pytest.raises(ConfigError, match=r"sampling\.seed.*sampling_seed"):
         load_partition(f)
+
+
+# --- `datagen run --server-url` on the real server (a team's shared server, with its key) ----------------
+# Killed with SIGKILL after its first shard, then the identical command: the resume generates exactly
+# what is missing. Every request asks for TOKENS tokens with ignore_eos, so the tokens a run generated
+# count its requests: a resume that generated ``missing x TOKENS`` tokens sent each missing row once.
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_killed_samples_run_resumes_with_the_identical_command(
+        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int],
+        live: Live) -> None:
+    data = tmp_path / "prompts.jsonl"
+    ids = write_prompts(data, 12)  # 6 shards of 2 prompts x 3 samples: 36 rows
+    out = tmp_path / "out"
+    argv = [DATAGEN, "run", "--partition", str(run_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
+            "--server-url", live.handle.url, "--out", str(out), "--samples", "3"]
+
+    kill_after_first_commit(argv, run_env(tmp_path, DATAGEN_API_KEY=live.key), out, reap_pids, deadline_s=600)
+    done = rows_on_disk(out, "ds")
+    assert 6 <= done < 36
+
+    again = run_datagen(tmp_path, argv, DATAGEN_API_KEY=live.key)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"completed: 36 rows in {out}" in again.stdout
+    assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(3))
+    last = run_summaries(tmp_path)[-1]
+    # the resume generated exactly the missing (id, sample) pairs, TOKENS tokens each
+    assert (last["rows_new"], last["completion_tokens"]) == (36 - done, (36 - done) * TOKENS)
+    seeds = {(r["id"], r["sample"]): r["sampling_seed"] for r in committed_rows(out, "ds", ["id", "sample",
+                                                                                            "sampling_seed"])}
+    assert len(set(seeds.values())) == 36  # each sample its own seed
+    # the card tells what the run did: a server it did not launch, so no hygiene and no tuned launch
+    card = (out / "README.md").read_text()
+    assert "used an SGLang server it did not launch (`--server-url`: no GPU hygiene" in card
+    assert "cleaned the GPUs" not in card
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_killed_whole_conversation_run_resumes_with_the_identical_command(
+        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, reap_pids: list[int],
+        live: Live) -> None:
+    data = tmp_path / "chats.jsonl"
+    ids = write_conversations(data, 8, turns=2)  # 4 shards of 2 x 2 samples x 2 turns: 32 turns
+    out = tmp_path / "out"
+    argv = [DATAGEN, "run", "--partition", str(run_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
+            "--server-url", live.handle.url, "--out", str(out), "--samples", "2", "--regenerate", "all"]
+
+    kill_after_first_commit(argv, run_env(tmp_path, DATAGEN_API_KEY=live.key), out, reap_pids, deadline_s=600)
+    turns_done = turns_on_disk(out, "ds")
+    assert 8 <= turns_done < 32
+
+    again = run_datagen(tmp_path, argv, DATAGEN_API_KEY=live.key)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"completed: 16 rows in {out}" in again.stdout
+    assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(2))
+    # journaled turns were never generated again: TOKENS tokens for each turn not on disk
+    assert run_summaries(tmp_path)[-1]["completion_tokens"] == (32 - turns_done) * TOKENS
+    for row in committed_rows(out, "ds", ["messages", "turns"]):
+        assert [t["message_index"] for t in row["turns"]] == [2]
+        assert row["messages"][2]["content"] == row["turns"][0]["content"] != "original answer 0"
 
 
 # --- stop: last (marked ``last``), ends each server ---------------------------------------------------

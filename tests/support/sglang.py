@@ -9,8 +9,10 @@ the KV pool, host memory on CPU, is bounded by ``--max-total-tokens``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ import pytest
 from tasks.server import ServerConfig
 from tests.support.common import free_port
 from tests.support.paths import REPO_ROOT
+from tests.support.prefect import migrated_home, on_shared_server
+from tests.support.runs import records
 
 SGLANG_VENV = REPO_ROOT / ".venv-sglang"
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
@@ -37,6 +41,8 @@ KV_TOKENS = 4096
 # tests sharing these two cores paid for (docs/testing.md).
 CPU_ARGS = ("--device", "cpu", "--load-format", "dummy", "--max-total-tokens", str(KV_TOKENS), "--sleep-on-idle")
 DEADLINE_S = 400.0  # warm-up alone takes about 70 s on a busy 2-core machine
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+TOKENS = 6  # generated per request of a `datagen run` (ignore_eos): short, so the tier passes under load
 
 
 def sglang_python() -> Path:
@@ -101,3 +107,80 @@ def sglang_logs(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "logs"
     d.mkdir()
     yield d
+
+
+# --- `datagen run` against real SGLang (tests/sglang/test_user_path.py, test_differential.py) ----------
+
+def run_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """A `datagen` subprocess's environment: its Prefect home, state and run folders under ``tmp``, this
+    worker's simulated GPUs, the session's Prefect server; ``extra`` added (DATAGEN_API_KEY, ...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
+    env.update(DATAGEN_SIM_GPUS=os.environ["DATAGEN_SIM_GPUS"], PREFECT_HOME=str(migrated_home(tmp / "prefect")),
+               DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra)
+    return on_shared_server(env)  # as under `datagen up`: no API server per run
+
+
+def run_partition(tmp: Path, data: Path, model: Path, python: Path, *, shard: int, max_new_tokens: int = TOKENS,
+                  run_extra: str = "") -> Path:
+    """``tmp``/real.toml: dataset ``ds`` = ``data`` on the tiny ``model``, served by real SGLang on CPU
+    from ``python``; ``max_new_tokens`` per request with ignore_eos, so tokens count requests."""
+    part = tmp / "real.toml"
+    part.write_text(f"""
+[datasets]
+ds = "{data}"
+
+[model]
+path = "{model}"
+reasoning_parser = "qwen3"
+
+[server]
+backend = "sglang"
+targets = ["local"]
+python = "{python}"
+extra_args = {json.dumps(list(CPU_ARGS))}
+
+[run]
+shard_size = {shard}
+concurrency = 4
+hygiene_grace_s = 1
+{run_extra}
+
+[sampling]
+max_new_tokens = {max_new_tokens}
+ignore_eos = true
+temperature = 0.7
+
+# random weights: no reasoning block and every row ends by length, by construction; a sampled row may
+# hold a stray <think> token (about 1 in 3,900 tokens), which is noise here, not a parser leak
+[validation]
+reasoning_missing_max_rate = 1.0
+truncation_max_rate = 1.0
+tag_leak_max_rate = 1.0
+
+[output]
+root = "{tmp / 'unused-root'}"
+versioned = false
+""")
+    return part
+
+
+def run_datagen(tmp: Path, argv: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` (a `datagen` command) run to its end in ``run_env(tmp, **extra)``."""
+    return subprocess.run(argv, cwd=REPO_ROOT, env=run_env(tmp, **extra), capture_output=True, text=True,
+                          timeout=800, stdin=subprocess.DEVNULL)
+
+
+def run_summaries(tmp: Path) -> list[dict]:
+    """The run summaries of the state directory's records, oldest first."""
+    recs = sorted(records(tmp).values(), key=lambda r: r.get("owner", {}).get("started", 0))
+    return [r["summary"] for r in recs if "summary" in r]
+
+
+def write_prompts(path: Path, n: int) -> list[str]:
+    """``n`` one-turn prompts p000, p001, ... as JSONL at ``path``; returns their ids."""
+    ids = [f"p{i:03d}" for i in range(n)]
+    path.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
+                            for i in ids))
+    return ids
