@@ -192,10 +192,12 @@ def shared_server() -> PrefectServer:
     """This test session's (xdist worker's) Prefect server, started on first use and stopped by pid at
     the end of the session. Its start-up deadline scales with the machine's load, and a start that
     misses it is tried once more (on another port) before the tests that need it fail: one slow start
-    must not turn every later test of this worker into an error."""
+    must not turn every later test of this worker into an error. Outside a test session (a script
+    using these helpers) it is stopped when the interpreter exits."""
     if not _SHARED:
         home = Path(tempfile.mkdtemp(prefix="datagen-prefect-server-"))
         atexit.register(shutil.rmtree, home, True)
+        atexit.register(_stop_shared)  # after the session's own stop, this finds nothing left
         migrated_home(home)  # an empty home would first run every migration: about 10 s more
         try:
             _SHARED.append(_start_server(home, scaled(90)))
@@ -212,13 +214,17 @@ def on_shared_server(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _stop_shared_server() -> Iterator[None]:
-    yield
+def _stop_shared() -> None:
     while _SHARED:
         proc, _ = _SHARED.pop()
         _stop_group(proc.pid)
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_server() -> Iterator[None]:
+    yield
+    _stop_shared()
 
 
 @pytest.fixture(scope="session")
