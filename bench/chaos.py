@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from emulator.simgpu import ENV_VAR, SimGpus  # noqa: E402
+from tasks.http import client as http_client  # noqa: E402
 from tests.support.common import tree_digest  # noqa: E402
 from tests.support.sshd import (  # noqa: E402
     SSHD,
@@ -344,13 +345,14 @@ class PrefectApi:
         self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited {self.proc.returncode}; see {self.home}/server.log")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.25)
+        with http_client(timeout=2) as probe:  # one client for every probe (tasks/http.py)
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"prefect server exited {self.proc.returncode}; see {self.home}/server.log")
+                with contextlib.suppress(httpx.HTTPError):
+                    if probe.get(self.url + "/health").status_code == 200:
+                        return
+                time.sleep(0.25)
         raise RuntimeError(f"prefect server not healthy within {deadline_s:.0f} s")
 
     def stop(self) -> None:

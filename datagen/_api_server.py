@@ -34,6 +34,7 @@ import psutil
 
 from flows import runrecord
 from flows.gpulimit import seconds_from_env
+from tasks import http
 from tasks.config import OWNED_API_ENV, state_dir
 from tasks.errors import DatagenError
 from tasks.files import atomic_write_json
@@ -152,7 +153,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, bound_s: float, log: 
     """
     started = time.monotonic()
     watched = psutil.Process(proc.pid)
-    with httpx.Client(timeout=2.0) as client:
+    with http.client(timeout=2.0) as client:
         while True:
             if proc.poll() is not None:
                 raise ApiServerError(f"the Prefect API server exited with status {proc.returncode}:\n{_tail(log)}")

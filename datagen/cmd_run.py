@@ -41,6 +41,7 @@ from datagen._cli import (
     reports_errors,
 )
 from flows.gpulimit import ensure_limits, limit_name
+from tasks import http
 from tasks.config import (
     ConfigError,
     Overrides,
@@ -83,7 +84,8 @@ def api_healthy(url: str | None) -> bool:
     if not url:
         return False
     try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=2.0).status_code == 200
+        with http.client(timeout=2.0) as c:
+            return c.get(url.rstrip("/") + "/health").status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -66,6 +66,7 @@ from flows.params import form_schema
 from tasks.config import ConfigError, list_partitions, load_partition, project_root
 from tasks.errors import DatagenError
 from tasks.files import atomic_write_json
+from tasks.http import client as http_client
 from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
 
 POOL = "gpu"
@@ -153,9 +154,8 @@ def _wait_healthy(api_url: str, proc_pid: int | None, log: Path | None, deadline
         return scrub(_tail(log), secret_url) if log else ""
 
     deadline = time.monotonic() + deadline_s
-    # one client for every probe: a client per probe built a TLS context each time (about 35 ms of CPU,
-    # taken from the server it waits for on a small host)
-    with httpx.Client(timeout=2.0) as http:
+    # one client for every probe (tasks/http.py)
+    with http_client(timeout=2.0) as http:
         while time.monotonic() < deadline:
             if proc_pid is not None and not _alive(proc_pid):
                 raise UpError(f"prefect server exited during startup:\n{tail()}")
@@ -321,7 +321,8 @@ def _worker_pid_name(pool: str) -> str:
 
 def _online(api_url: str, pool: str, name: str) -> bool:
     try:
-        workers = httpx.post(f"{api_url}/work_pools/{pool}/workers/filter", json={}, timeout=5.0)
+        with http_client(timeout=5.0) as http:
+            workers = http.post(f"{api_url}/work_pools/{pool}/workers/filter", json={})
         return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers.raise_for_status().json())
     except (httpx.HTTPError, ValueError):
         return False

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import orjson
 
+from tasks.http import client as http_client
+
 __all__ = ["IDENTITY_KEYS", "external_fingerprint"]
 
 # What the generated text depends on; the first endpoint that reports a key wins.
@@ -43,7 +45,7 @@ def external_fingerprint(url: str, api_key: str | None = None, *,
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     facts: dict[str, Any] = {}
-    with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as http:
+    with http_client(base_url=url, headers=headers, timeout=timeout_s) as http:
         for paths, keys in ((("/model_info", "/get_model_info"), _MODEL_KEYS),
                             (("/server_info", "/get_server_info"), _SERVER_KEYS)):
             info = _first_json(http, paths)

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tasks import http
 from tasks.files import open_for_write
 from tasks.hygiene import clean_gpus
 from tasks.procs import ProcessIdentity, group_pids, live_pids, terminate_group
@@ -341,7 +342,7 @@ def _await_ready(
     offset = 0
     delay = 0.05
     last_phase = ""
-    with httpx.Client(headers=headers, trust_env=False) as client:
+    with http.client(headers=headers, trust_env=False) as client:
         while True:
             chunk, offset = _read_log_from(handle, offset)
             if chunk:

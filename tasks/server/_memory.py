@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from tasks import http
 from tasks.errors import DatagenError
 from tasks.files import atomic_write_json
 from tasks.hygiene import gpu_names
@@ -350,7 +351,8 @@ def prefect_api_reachable(timeout_s: float = 2.0) -> bool:
     if not url:
         return False
     try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+        with http.client(timeout=timeout_s) as c:
+            return c.get(url.rstrip("/") + "/health").status_code == 200
     except httpx.HTTPError:
         return False
 

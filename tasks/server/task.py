@@ -11,12 +11,12 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 from uuid import UUID
 
-import httpx
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from tasks import http
 from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
 from tasks.inference import Endpoint, external_fingerprint
 from tasks.run import RunContext
@@ -115,7 +115,8 @@ def health_check(ctx: RunContext, endpoint: Endpoint) -> None:
         RuntimeError: another status (retried).
     """
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    r = httpx.get(f"{endpoint.url}/health_generate", timeout=30.0, headers=headers)
+    with http.client(timeout=30.0, headers=headers) as c:
+        r = c.get(f"{endpoint.url}/health_generate")
     if r.status_code != 200:
         raise RuntimeError(f"{endpoint.url}/health_generate answered {r.status_code}")
 
