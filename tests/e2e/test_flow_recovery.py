@@ -1,6 +1,6 @@
 """`datagen run` recovery with a real Prefect server and the emulator: leases and servers of SIGKILLed
-runs are released and ended by the next run, hygiene spares other jobs' GPUs, and
-``run.max_relaunches`` is one budget per run.
+runs are released and ended by the next run, a rerun of a finished output launches nothing, hygiene
+spares other jobs' GPUs, and ``run.max_relaunches`` is one budget per run.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _env(prefect_server: PrefectServer, tmp: Path, gpus: int = 2) -> dict[str, s
                                  "DATAGEN_RUN_DIR": str(tmp / "run")})
 
 
-def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
+def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once_and_a_third_run_launches_nothing(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
     part, ids = partition(tmp_path, {"ds": 96}, ["--emu-decode-ms-per-step", "30"], shard=16, conc=8,
                            max_relaunches=1)
@@ -76,6 +76,21 @@ def test_rerun_after_kill9_releases_the_dead_runs_lease_at_once(
     assert not pid_alive(server_pid)
     assert_exactly_once(out, ids)
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])
+
+    # The identical command once more, on the finished output: it is recognised as complete under its
+    # lock, before hygiene or a launch; exit 0, the same rows, and no server in this run's record.
+    before = set(records(tmp_path))
+    shards = sorted(p.name for p in (out / "ds").glob("shard-*.parquet"))
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = again.stdout + again.stderr
+    assert f"dataset ds: 6 shards committed (0 now, 6 resumed), 0 rows generated: complete in {out}, " \
+           "no server needed" in text
+    assert "hygiene-before-launch" not in text and "launch-" not in text and "server on" not in text
+    (record,) = [r for k, r in records(tmp_path).items() if k not in before]
+    assert not record.get("servers") and not record.get("lease")
+    assert sorted(p.name for p in (out / "ds").glob("shard-*.parquet")) == shards
+    assert_exactly_once(out, ids)
 
 
 def test_max_relaunches_is_one_budget_for_the_whole_run(
@@ -211,27 +226,6 @@ def test_server_left_loading_by_a_sigkilled_run_is_ended_by_the_next_run(
     assert all(not pid_alive(s["pid"]) and not _group(s["pgid"]) for r in recs.values() for s in r["servers"])
     assert_exactly_once(out, ids)
     assert all(g["used_mib"] == 0 for g in SimGpus(tmp_path / "sim-gpus.json").snapshot()["gpus"])
-
-
-def test_rerunning_a_complete_output_launches_nothing(prefect_server: PrefectServer, tmp_path: Path) -> None:
-    # The identical command after a finished run: the output is recognised as complete under its
-    # lock, before hygiene or a launch; exit 0, the same rows, and no server in the second run's record.
-    part, ids = partition(tmp_path, {"ds": 24}, [], shard=8, conc=4, max_relaunches=1)
-    cmd, env, out = _finished_run(prefect_server, tmp_path, part)
-    (first_id, first_record), = records(tmp_path).items()
-    assert first_record["servers"]
-    shards = sorted(p.name for p in (out / "ds").glob("shard-*.parquet"))
-    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stderr[-3000:]
-    text = again.stdout + again.stderr
-    assert f"dataset ds: 3 shards committed (0 now, 3 resumed), 0 rows generated: complete in {out}, " \
-           "no server needed" in text
-    assert "hygiene-before-launch" not in text and "launch-" not in text and "server on" not in text
-    second = {k: r for k, r in records(tmp_path).items() if k != first_id}
-    (record,) = second.values()
-    assert not record.get("servers") and not record.get("lease")
-    assert sorted(p.name for p in (out / "ds").glob("shard-*.parquet")) == shards
-    assert_exactly_once(out, ids)
 
 
 def test_a_changed_input_of_the_second_dataset_is_refused_before_any_launch(
