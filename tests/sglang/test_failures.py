@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -87,17 +91,55 @@ def test_a_200_from_another_server_on_the_port_fails_fast_instead_of_passing_rea
     assert "fired up and ready to roll" not in Path(exc.log_path or "").read_text()
 
 
+class _StopAtServerArgs:
+    """An ``on_started`` for tasks.server.launch: SIGKILLs the server's process group as soon as its
+    log holds SGLang's parsed ``server_args=`` line, which the main process writes before it spawns
+    the scheduler (a scheduler's start costs 20-25 CPU-s here). ``join()`` waits for the watcher."""
+
+    def __init__(self, log_dir: Path, deadline_s: float = DEADLINE_S) -> None:
+        self.log_dir, self.deadline_s = log_dir, deadline_s
+        self.seen = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, pid: int, pgid: int) -> None:
+        self._thread = threading.Thread(target=self._watch, args=(pgid,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, pgid: int) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        while time.monotonic() < deadline:
+            if any("server_args=" in f.read_text(errors="replace") for f in self.log_dir.glob("*.log")):
+                self.seen.set()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                return
+            if not pid_alive(pgid):
+                return
+            time.sleep(0.1)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(30)
+
+
 def test_trust_remote_code_and_speculative_flags_reach_the_real_server_args(tiny_model: Path,
                                                                             sglang_logs: Path) -> None:
-    """[server] trust_remote_code and speculative_* end in SGLang's own parsed server_args. NGRAM
-    needs sgl_kernel, which the CPU build lacks, so the scheduler then fails: not about memory."""
+    """[server] trust_remote_code and speculative_* end in SGLang's own parsed server_args. The launch is
+    stopped once SGLang has logged them: the scheduler would only fail next (NGRAM needs sgl_kernel,
+    which the CPU build lacks), after a start of its own."""
     cfg = cpu_config(tiny_model, trust_remote_code=True, speculative_algorithm="NGRAM",
                      speculative_num_draft_tokens=4)
-    exc = _launch_fails(cfg, sglang_logs)
-    log = Path(exc.log_path or "").read_text()
+    stop = _StopAtServerArgs(sglang_logs)
+    try:
+        with pytest.raises(LaunchFailed) as info:
+            launch(cfg, "local", None, sglang_logs, deadline_s=DEADLINE_S, on_started=stop)
+    finally:
+        stop.join()
+    assert stop.seen.is_set()
+    log = Path(info.value.log_path or "").read_text()
     args = re.search(r"server_args=(\{.*\})", log)
     assert args is not None
     for said in ("'trust_remote_code': True", "'speculative_algorithm': 'NGRAM'",
                  "'speculative_num_draft_tokens': 4"):
         assert said in args.group(1)
-    assert exc.failure.kind not in ("too_low", "too_high", "kv_pool_exhausted")
+    assert info.value.failure.kind not in ("too_low", "too_high", "kv_pool_exhausted")
