@@ -4,7 +4,7 @@ SGLang and to the Prefect API): one verifying TLS context per process.
 httpx builds a new TLS context for every client it makes, loading the CA bundle each time: about
 30 ms of CPU, for an http:// URL as much as for https (a `datagen run` made eleven). A probe repeated
 every fraction of a second while a server starts then cost more than the probe itself, taken from the
-server it waits for on a small host. The inference client keeps its own (one per run).
+server it waits for on a small host. The inference client keeps its own (one per run). Decision 112.
 """
 
 from __future__ import annotations
