@@ -24,15 +24,16 @@ FAST_EMU = ["--emu-load-time", "0.2", "--emu-graph-time", "0.05", "--emu-warmup-
             "--emu-output-tokens", "24", "--emu-health-timeout", "1"]
 
 
-def cli_env(tmp: Path, sim_gpus: Path, *, own_api: bool = False) -> dict[str, str]:
+def cli_env(tmp: Path, sim_gpus: Path, *, own_api: bool = False, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a `datagen` subprocess: this one without PREFECT_/DATAGEN_ settings, its
     Prefect home, run and state folders under ``tmp``, and the simulated GPUs file ``sim_gpus``; on
-    the session's Prefect server unless ``own_api`` (then the run starts its own API server)."""
+    the session's Prefect server unless ``own_api`` (then the run starts its own API server);
+    ``extra`` added."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
     env.update({ENV_VAR: str(sim_gpus)}, PREFECT_HOME=str(migrated_home(tmp / "prefect")),
                DATAGEN_RUN_DIR=str(tmp / "run"),
                DATAGEN_STATE_DIR=str(tmp / "state"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90")
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="90", **(extra or {}))
     return env if own_api else on_shared_server(env)
 
 

@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
+from emulator.simgpu import ENV_VAR
 from tasks.server import ServerConfig
 from tests.support.common import free_port
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import migrated_home, on_shared_server
-from tests.support.runs import records
+from tests.support.runs import cli_env, records
 
 SGLANG_VENV = REPO_ROOT / ".venv-sglang"
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
@@ -112,14 +112,9 @@ def sglang_logs(tmp_path: Path) -> Iterator[Path]:
 # --- `datagen run` against real SGLang (tests/sglang/test_user_path.py, test_differential.py) ----------
 
 def run_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """A `datagen` subprocess's environment: its Prefect home, state and run folders under ``tmp``, this
-    worker's simulated GPUs, the session's Prefect server; ``extra`` added (DATAGEN_API_KEY, ...)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DATAGEN_"))}
-    env.update(DATAGEN_SIM_GPUS=os.environ["DATAGEN_SIM_GPUS"], PREFECT_HOME=str(migrated_home(tmp / "prefect")),
-               DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra)
-    return on_shared_server(env)  # as under `datagen up`: no API server per run
+    """``cli_env`` (tests/support/runs.py) on this worker's simulated GPUs and the session's Prefect
+    server, as under `datagen up`; ``extra`` added (DATAGEN_API_KEY, ...)."""
+    return cli_env(tmp, Path(os.environ[ENV_VAR]), extra={"DO_NOT_TRACK": "1", **extra})
 
 
 def run_partition(tmp: Path, data: Path, model: Path, python: Path, *, shard: int, max_new_tokens: int = TOKENS,
