@@ -16,12 +16,26 @@ STAMP  := $(VENV)/.installed
 # start): the system's pip puts uv in it, and ensurepip runs only for the pip fallback. No bytecode at
 # install: compiling all of site-packages cost about 30 CPU-s, most of it for packages nothing here
 # imports; `make bytecode` writes what the processes read.
-$(STAMP): pyproject.toml
+#
+# The libraries only pytest imports (tests/requirements-pytest.txt: selenium, datasets, duckdb) go to
+# $(PYTEST_LIBS), outside site-packages, resolved against the venv's versions (a constraints file);
+# tests/conftest.py appends it to the pytest processes' sys.path. The processes the tests start see
+# the product's dependencies only. A venv made before this layout loses the ones site-packages held.
+PYTEST_LIBS := $(VENV)/pytest-libs
+PYTEST_ONLY := datasets duckdb selenium trio trio-websocket pandas numpy
+$(STAMP): pyproject.toml tests/requirements-pytest.txt
 	@test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	@rm -rf $(PYTEST_LIBS)
 	@if $(PYTHON) -m pip --python $(PY) install -q uv 2>/dev/null || $(PY) -m pip install -q uv 2>/dev/null; then \
-	  $(PY) -m uv pip install -q --python $(PY) -e '.[dev]'; \
+	  $(PY) -m uv pip install -q --python $(PY) -e '.[dev]' && \
+	  $(PY) -m uv pip uninstall -q --python $(PY) $(PYTEST_ONLY) 2>/dev/null && \
+	  $(PY) -m uv pip freeze --python $(PY) --exclude-editable > $(VENV)/constraints.txt && \
+	  $(PY) -m uv pip install -q --python $(PY) --target $(PYTEST_LIBS) -r tests/requirements-pytest.txt \
+	    -c $(VENV)/constraints.txt; \
 	else \
-	  $(PY) -m ensurepip -q && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev]'; \
+	  $(PY) -m ensurepip -q && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[dev]' && \
+	  $(PY) -m pip freeze --exclude-editable > $(VENV)/constraints.txt && \
+	  $(PY) -m pip install -q --target $(PYTEST_LIBS) -r tests/requirements-pytest.txt -c $(VENV)/constraints.txt; \
 	fi
 	@touch $(STAMP)
 

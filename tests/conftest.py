@@ -3,11 +3,21 @@
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
+
+# The libraries only these processes import (selenium, datasets, duckdb: tests/requirements-pytest.txt),
+# installed by `make install` outside the venv's site-packages: appended here, to this process's path
+# only, so the `datagen`, Prefect and emulator processes the tests start have the product's
+# dependencies only (tests/unit/test_environment.py).
+PYTEST_LIBS = Path(sys.prefix) / "pytest-libs"
+if PYTEST_LIBS.is_dir() and str(PYTEST_LIBS) not in sys.path:
+    sys.path.append(str(PYTEST_LIBS))
 
 pytest_plugins = [
     "tests.support.common",
