@@ -81,8 +81,18 @@ def records(tmp: Path) -> dict[str, dict]:
 
 
 def done_rows(out: Path) -> int:
-    n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
-    return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
+    """Rows on disk now: committed shards and journal lines. A run in progress removes files and
+    folders while this reads (its write probe ``.datagen-write-test-*``, journals folded into a
+    shard): a read that meets one is taken again."""
+    for attempt in range(20):
+        try:
+            n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
+            return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
+        except FileNotFoundError:
+            if attempt == 19:
+                raise
+            time.sleep(0.01)
+    raise AssertionError("unreachable")
 
 
 def assert_exactly_once(out: Path, ids: dict[str, list[str]]) -> None:
