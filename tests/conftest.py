@@ -1,11 +1,13 @@
 """Shared fixtures live in tests/support/*, one module per area, loaded as plugins here."""
 
+import gc
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
@@ -96,6 +98,33 @@ def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-un
         return rank.get(path, len(rank)), first[path], item.get_closest_marker("last") is not None
 
     items.sort(key=key)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    outcome = yield
+    if outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):  # type: ignore[no-untyped-def]
+    """After a failed test's fixtures ended its processes: drop the traceback pytest keeps for
+    post-mortem debugging (``sys.last_*``, deleted only when the next test starts) and collect what
+    it held. Otherwise a `subprocess.Popen` the failed test never waited for is collected during the
+    next test, and its ResourceWarning ("subprocess N is still running", an error under
+    ``filterwarnings = error``) fails that test too: one failure reported as two (cjt, cjv)."""
+    yield
+    if item.stash.get(_FAILED, False):
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
 
 
 def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
