@@ -100,14 +100,14 @@ def pytest_collection_modifyitems(session, config, items):  # type: ignore[no-un
     items.sort(key=key)
 
 
+_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
     outcome = yield
     if outcome.get_result().failed:
         item.stash[_FAILED] = True
-
-
-_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -84,15 +84,17 @@ def done_rows(out: Path) -> int:
     """Rows on disk now: committed shards and journal lines. A run in progress removes files and
     folders while this reads (its write probe ``.datagen-write-test-*``, journals folded into a
     shard): a read that meets one is taken again."""
-    for attempt in range(20):
+    for _ in range(19):
         try:
-            n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
-            return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
+            return _rows_on_disk(out)
         except FileNotFoundError:
-            if attempt == 19:
-                raise
             time.sleep(0.01)
-    raise AssertionError("unreachable")
+    return _rows_on_disk(out)
+
+
+def _rows_on_disk(out: Path) -> int:
+    n = sum(len(pq.read_table(f, columns=["id"])) for f in out.glob("*/shard-*.parquet"))
+    return n + sum(j.read_bytes().count(b"\n") for j in out.glob("_journal/*/*.jsonl"))
 
 
 def assert_exactly_once(out: Path, ids: dict[str, list[str]]) -> None:

@@ -4,11 +4,13 @@ processes' path, not in the venv's site-packages (Makefile, `make install`; test
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.conftest import PYTEST_LIBS
 from tests.support.paths import REPO_ROOT
@@ -20,7 +22,7 @@ PYTEST_ONLY = ("selenium", "datasets", "duckdb", "trio", "pandas", "numpy")
 
 def _requirements() -> list[str]:
     lines = (REPO_ROOT / "tests" / "requirements-pytest.txt").read_text().splitlines()
-    return [line.split(">")[0].split("<")[0].split("=")[0].strip() for line in lines if line and not line.startswith("#")]
+    return [Requirement(line).name for line in lines if line and not line.startswith("#")]
 
 
 def test_a_product_process_finds_none_of_the_pytest_only_libraries() -> None:
@@ -37,6 +39,5 @@ def test_a_product_process_finds_none_of_the_pytest_only_libraries() -> None:
 
 def test_the_pytest_processes_find_every_pytest_only_library() -> None:
     assert _requirements() == ["datasets", "duckdb", "selenium"]
-    import importlib.util
     missing = [name for name in _requirements() if importlib.util.find_spec(name) is None]
     assert missing == [], f"not in {PYTEST_LIBS}: run `make install`"
