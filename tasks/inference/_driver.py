@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from tasks.inference._client import ClientConfig, GenerateClient, ServerGone, default_concurrency
 from tasks.inference._dispatch import Dispatcher, ServerPool
+from tasks.inference._gc import young_generation
 from tasks.inference._pool import InferencePool
 from tasks.inference._provenance import (
     Provenance,
@@ -223,7 +224,8 @@ async def _generate(
         driver.committed = out.committed_indices(spec.name)
         driver.total_estimate = estimate_records(spec.path)
         try:
-            await driver.run(iter_dataset(spec.path, spec.name))
+            with young_generation():  # decision 114: rows in flight are not garbage
+                await driver.run(iter_dataset(spec.path, spec.name))
         except BaseExceptionGroup as group:
             err = _first_error(group)
             _finish(result, client, out, spec.name, started)
