@@ -10,6 +10,8 @@ cost shows) and, for comparison, the emulator. Run alone: ``.venv/bin/python ben
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import socket
@@ -151,6 +153,26 @@ def _row(metric: str, value: float, unit: str, target: str, ok: bool, note: str 
     return row
 
 
+@contextlib.contextmanager
+def _collections(counts: list[float]) -> Any:
+    """Count the cyclic collector's runs by generation into ``counts[0:3]`` and their CPU seconds
+    into ``counts[3]`` while the block runs (decision 114: they were a tenth of the client's CPU)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.process_time())
+        elif started:
+            counts[info["generation"]] += 1
+            counts[3] += time.process_time() - started.pop()
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def _client_cost(tmp: Path, kind: str, n: int, extra: list[str], rows: list[dict[str, Any]], gated: bool) -> None:
     started = [_start(kind, tmp, extra) for _ in range(3)]
     procs, urls = [p for p, _ in started], [u for _, u in started]
@@ -161,11 +183,13 @@ def _client_cost(tmp: Path, kind: str, n: int, extra: list[str], rows: list[dict
         asyncio.run(_bare(urls, prompts[:500]))  # warm both sides
         bares, pipes, disp = [], [], []
         cpu: dict[str, list[float]] = {"bare": [], "run_dataset": [], "dispatcher": []}  # client CPU s per 1,000 rows
+        collected = [0.0, 0.0, 0.0, 0.0]  # run_dataset's collections: young, middle, full; their CPU s
         for rep in range(3):  # interleaved, best of 3: a shared 2-core host skews single runs
             c0 = time.process_time()
             bares.append(asyncio.run(_bare(urls, prompts)))
             c1 = time.process_time()
-            pipes.append(_pipeline(_pool(procs, urls), inp, tmp / f"out-cost-{kind}-{rep}")[0])
+            with _collections(collected):
+                pipes.append(_pipeline(_pool(procs, urls), inp, tmp / f"out-cost-{kind}-{rep}")[0])
             c2 = time.process_time()
             disp.append(asyncio.run(_dispatch_only(_pool(procs, urls), prompts)))
             c3 = time.process_time()
@@ -177,6 +201,9 @@ def _client_cost(tmp: Path, kind: str, n: int, extra: list[str], rows: list[dict
         rows.append(_row(f"{kind}_client_cpu_per_1000_rows", min(cpu["run_dataset"]), "s", "informational", True,
                          "least of 3; bare loop {:.3f} s, Dispatcher.generate alone {:.3f} s".format(
                              min(cpu["bare"]), min(cpu["dispatcher"]))))
+        rows.append(_row(f"{kind}_gc_cpu_per_1000_rows", collected[3] / (3 * n) * 1000, "s", "informational", True,
+                         "the cyclic collector inside run_dataset, 3 runs: {:.0f} young, {:.0f} middle, {:.0f} full "
+                         "collections".format(*collected[:3])))
         rows.append(_row(f"{kind}_bare_rows_per_s", bare, "rows/s", "reference", True,
                          f"aiohttp+orjson, {CONC} in flight per server, 3 servers, best of {[round(b) for b in bares]}"))
         rows.append(_row(f"{kind}_dispatcher_vs_bare", d / bare, "x", "informational", True,
