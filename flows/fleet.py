@@ -214,6 +214,9 @@ class _Server:
         self.relaunches = 0
         self.fingerprint = ctx.fingerprint
         self.started: float | None = None
+        # (pid, pgid) a launch started and has not handed back as its handle: when the launch then
+        # fails, that server may still run (its host was lost between the start and the leash)
+        self.unowned: tuple[int, int] | None = None
 
     @property
     def endpoint(self) -> Endpoint:
@@ -244,7 +247,7 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
     becomes ready or is lost is reported and the run goes on with the others."""
     logger = get_run_logger()
     server = _Server(ctx)
-    unreachable_launch = False  # a launch failed with its host unreachable: a server may run there
+    stray_launch = False  # a launch failed and may have left a server running: clean its GPUs at the end
     why = ""  # why the last server was dropped ("" until one served)
     result: ServerResult | None = None
     try:
@@ -253,7 +256,11 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
                 _bring_up(server, why)
             except Exception as exc:
                 lost_host = ctx.launches and not reachable(ctx.target)
-                unreachable_launch = unreachable_launch or lost_host
+                unowned, server.unowned = server.unowned, None
+                if unowned is not None:
+                    logger.warning("a failed launch on %s had started pid %s: its GPUs are cleaned when this "
+                                   "server's lifecycle ends", ctx.host, unowned[0])
+                stray_launch = stray_launch or lost_host or unowned is not None
                 if lost_host and server.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, closing):
                     if server.handle is None:
                         server.relaunches += 1  # a relaunch of a known server counts its own
@@ -288,7 +295,7 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
             if lost:
                 result = server.result(name, "lost")
     finally:
-        left = _end(server, name, unreachable_launch)
+        left = _end(server, name, stray_launch)
     assert result is not None
     result.left_running = left
     return result
@@ -336,7 +343,8 @@ def _bring_up(server: _Server, why: str) -> None:
             phase = f"relaunch-{server.relaunches}"
         hygiene(ctx, phase)
         server.handle = handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
-                                               on_started=_record_started(ctx))
+                                               on_started=_record_started(server))
+        server.unowned = None  # the handle owns it now
         runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
                                log=str(handle.log_path))
     health_check(ctx, server.endpoint)
@@ -348,11 +356,14 @@ def _unlinked(handle: ServerHandle) -> ServerHandle:
     return cast(ServerHandle, quote(handle))
 
 
-def _record_started(ctx: RunContext) -> Callable[[int, int], None]:
+def _record_started(server: _Server) -> Callable[[int, int], None]:
     """``on_started`` of the launch: the server's pid in the run record before it is ready (a flow
     SIGKILLed while its server loads leaves it running, and the next run ends it from this record:
-    runrecord.end_dead_servers)."""
+    runrecord.end_dead_servers), and in ``server.unowned`` until the launch returns its handle."""
+    ctx = server.ctx
+
     def started(pid: int, pgid: int) -> None:
+        server.unowned = (pid, pgid)
         runrecord.server_started(ctx.run_id, ctx.target, pid, pgid)
 
     return started
@@ -380,10 +391,12 @@ def _tag_run(run_id: str | None, tag: str) -> None:
         get_run_logger().warning("flow run not tagged %r: %s", tag, exc)
 
 
-def _end(server: _Server, name: str, unreachable_launch: bool) -> str:
+def _end(server: _Server, name: str, stray_launch: bool) -> str:
     """The last stage: stop the server; when its host does not answer, wait for it (at most
     ``run.host_wait_s``) so that nothing is left running: stop it then, or clean its GPUs when a
-    launch failed there. Returns what still could not be stopped ("" when nothing)."""
+    launch failed there with its host unreachable or after it had started a server (a host lost
+    between the start and the server's leash leaves it running, and the launch's retry then finds
+    its port taken). Returns what still could not be stopped ("" when nothing)."""
     ctx = server.ctx
     logger = get_run_logger()
     deadline = time.monotonic() + ctx.cfg.host_wait_s
@@ -392,8 +405,8 @@ def _end(server: _Server, name: str, unreachable_launch: bool) -> str:
         try:
             if server.handle is not None:
                 _stop(server)
-            elif unreachable_launch:
-                hygiene(ctx, "after-unreachable")
+            elif stray_launch:
+                hygiene(ctx, "after-failed-launch")
             return ""
         except Exception as exc:
             left = deadline - time.monotonic()

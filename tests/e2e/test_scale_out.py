@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -245,3 +246,56 @@ def test_the_samples_of_a_prompt_meet_one_servers_cache_through_datagen_run(
     else:
         assert together <= 15, together
     (tmp_path / f"cached-{dispatch}").write_text(str(cached))
+
+
+_FAIL_FORWARD = """#!/bin/bash
+# The ssh client, except that the first port forward to $VICTIM fails, as when the host drops
+# between the server's start and its forward (once: mkdir is atomic).
+if [[ " $* " == *" -L "* && " $* " == *"@$VICTIM "* ]] && mkdir "$FAULT_DIR/cut" 2>/dev/null; then
+    echo "Connection to $VICTIM closed by remote host." >&2
+    exit 255
+fi
+exec /usr/bin/ssh "$@"
+"""
+_FAIL_KILL = """#!/bin/bash
+# kill on the hosts, except in the 8 s after that forward failed: with the host gone, every signal
+# the launch sends to the server it started fails, and the server keeps running.
+if [ -d "$FAULT_DIR/cut" ] && [ $(( $(date +%s) - $(stat -c %Y "$FAULT_DIR/cut") )) -lt 8 ]; then
+    touch "$FAULT_DIR/kill-failed"
+    echo "kill: the host is gone (test fault)" >&2
+    exit 1
+fi
+exec /bin/kill "$@"
+"""
+
+def test_a_server_a_failed_launch_left_running_is_ended_with_its_lifecycle(
+        prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
+    # The victim's first launch starts its server, then loses the host before the port forward and
+    # the leash: the launch cannot stop what it started. Its retry finds the port taken, the server
+    # is given up, and its lifecycle's end cleans its GPUs: nothing of it outlives the run.
+    victim = hosts[1]
+    fault, fakes, remote_bin = tmp_path / "fault", tmp_path / "fakes", tmp_path / "remote-bin"
+    for folder, name, text in ((fakes, "ssh", _FAIL_FORWARD), (remote_bin, "kill", _FAIL_KILL)):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    fault.mkdir()
+    part, ids = _hosts_partition(tmp_path, hosts, 240, decode_ms=4)
+    env = _env(prefect_server, tmp_path, hosts)
+    env.update(PATH=f"{fakes}:{env['PATH']}", VICTIM=victim.address, FAULT_DIR=str(fault))
+    remote_path = f"{remote_bin}:{REPO_ROOT / 'emulator' / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    env["DATAGEN_REMOTE_ENV"] += " " + shlex.join([f"PATH={remote_path}", f"FAULT_DIR={fault}"])  # the later PATH wins
+    proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    (record,) = records(tmp_path).values()
+    mine = [s for s in record["servers"] if s["target"] == victim.url()]
+    reap_pids.extend(s["pid"] for s in mine)
+    text = proc.stdout + proc.stderr
+    faults = sorted(p.name for p in fault.iterdir())
+    assert faults == ["cut", "kill-failed"], (faults, text[-4000:])  # the fault happened
+    assert proc.returncode == 0, text[-4000:]
+    assert_exactly_once(tmp_path / "out", {"ds": ids})
+    assert mine and f"a failed launch on {victim.address} had started pid {mine[0]['pid']}" in text, text[-4000:]
+    assert f"hygiene after-failed-launch on {victim.address}" in text, text[-4000:]
+    assert not any(pid_alive(s["pid"]) for s in record["servers"])
+    assert all(g["used_mib"] == 0 for g in SimGpus(victim.sim_gpus).snapshot()["gpus"])
