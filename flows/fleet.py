@@ -214,9 +214,9 @@ class _Server:
         self.relaunches = 0
         self.fingerprint = ctx.fingerprint
         self.started: float | None = None
-        # (pid, pgid) a launch started and has not handed back as its handle: when the launch then
-        # fails, that server may still run (its host was lost between the start and the leash)
-        self.unowned: tuple[int, int] | None = None
+        # the pid of a server a launch started and has not handed back as its handle: when the launch
+        # then fails, that server may still run (its host was lost between the start and the leash)
+        self.unowned: int | None = None
 
     @property
     def endpoint(self) -> Endpoint:
@@ -259,7 +259,7 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
                 unowned, server.unowned = server.unowned, None
                 if unowned is not None:
                     logger.warning("a failed launch on %s had started pid %s: its GPUs are cleaned when this "
-                                   "server's lifecycle ends", ctx.host, unowned[0])
+                                   "server's lifecycle ends", ctx.host, unowned)
                 stray_launch = stray_launch or lost_host or unowned is not None
                 if lost_host and server.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, closing):
                     if server.handle is None:
@@ -363,7 +363,7 @@ def _record_started(server: _Server) -> Callable[[int, int], None]:
     ctx = server.ctx
 
     def started(pid: int, pgid: int) -> None:
-        server.unowned = (pid, pgid)
+        server.unowned = pid
         runrecord.server_started(ctx.run_id, ctx.target, pid, pgid)
 
     return started
