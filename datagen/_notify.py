@@ -29,6 +29,8 @@ BODY = """\
 Flow run {{ flow_run.name }} of deployment datagen/{{ deployment.name }} entered {{ flow_run.state.name }}.
 Parameters: {{ flow_run.parameters }}
 Reason: {{ flow_run.state.message }}
+Control host: {{ flow_run.labels.get('datagen.host', 'not reported') }}; at its last report: \
+{{ flow_run.labels.get('datagen.progress', 'nothing committed') }}
 Run: {{ flow_run|ui_url }}
 Deployment (its runs, the one running first): {{ deployment|ui_url }}
 """

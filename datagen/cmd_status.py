@@ -2,14 +2,19 @@
 
     datagen status [OUT_DIR] [--json]
 
+    datagen status OUT_DIR --end-stale
+
 Without OUT_DIR: only the remembered fractions. With it, prints shards committed/total and rows per dataset, open journals, committed shards whose file is
 missing or fails its sha256, the lock holder (host, pid, flow run) when a live process holds
-``OUT/_lock``, the last validation verdict, and the ``--mem-fraction-static`` values
+``OUT/_lock``, the flow runs of this output that Prefect still shows Running (or Pending,
+Cancelling) although their process on this host is gone (a worker or control host killed: the zombie
+automation of `datagen up` crashes them within its bound; ``--end-stale`` marks them Crashed now,
+which frees their deployment's slot), the last validation verdict, and the ``--mem-fraction-static`` values
 tasks.server._tuner remembers: per host, model, tp and GPU, the fraction, headroom (GiB), the lowest
 fraction that OOMed at run time, and where it is kept (the Prefect Variable's name, or the file).
 
 Exit codes:
-  0  printed; every committed shard matches the manifest
+  0  printed; every committed shard matches the manifest (--end-stale: and every stale run was ended)
   1  printed; a committed shard is missing or damaged (listed; `datagen repair OUT_DIR` un-commits
      it so the next run generates it again)
   2  OUT_DIR is not a datagen output (a file, no manifest, or a manifest that is not one) or usage
@@ -24,7 +29,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
+from datagen._prefect_api import PrefectApi
+from flows import runrecord
 from tasks.server import FileStore, FractionMemory, default_file, list_remembered
 from tasks.shards import OutputDir
 
@@ -57,8 +66,58 @@ def status(out: Path) -> dict[str, Any]:
             "damaged": [d.to_dict() for d in od.damaged_shards(name)],
         }
     return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
-            "lock_holder": od.lock_holder(), "validation": _validation(out, datasets),
+            "lock_holder": od.lock_holder(), "stale_runs": stale_runs(out), "validation": _validation(out, datasets),
             **_fractions()}
+
+
+STALE_STATES = ("RUNNING", "PENDING", "CANCELLING")
+
+
+def stale_runs(out: Path) -> list[dict[str, Any]]:
+    """The flow runs of ``out`` (by this host's run records) whose process here is gone while the
+    Prefect API (``$PREFECT_API_URL``; none set: nothing to compare, an empty list) still says they
+    run: ``{"flow_run", "name", "state", "host", "pid"}``."""
+    url = os.environ.get("PREFECT_API_URL", "").strip()
+    if not url:
+        return []
+    where = str(out.resolve())
+    dead = [(run_id, r) for run_id, r in runrecord.dead_runs() if r.out_dir and Path(r.out_dir).resolve() == Path(where)]
+    found = []
+    try:
+        with PrefectApi(url, timeout=10.0) as http:
+            for run_id, record in dead:
+                resp = http.get(f"/flow_runs/{run_id}")
+                if resp.status_code == 404:
+                    continue
+                run = resp.raise_for_status().json()
+                state = (run.get("state") or {}).get("type")
+                if state in STALE_STATES and record.owner is not None:
+                    found.append({"flow_run": run_id, "name": run.get("name"), "state": state,
+                                  "host": record.owner.host, "pid": record.owner.pid})
+    except httpx.HTTPError as exc:
+        return [{"error": f"the Prefect API at {url} did not answer: {exc}"}]
+    return found
+
+
+def end_stale(url: str, runs: list[dict[str, Any]]) -> list[str]:
+    """Mark each stale run Crashed (forced: its process cannot report anything any more); returns
+    the ids ended.
+
+    Raises:
+        httpx.HTTPError: the API refused or did not answer.
+    """
+    ended = []
+    with PrefectApi(url, timeout=10.0) as http:
+        for r in runs:
+            if "flow_run" not in r:
+                continue
+            message = (f"datagen status --end-stale: its flow-run process (host {r['host']}, pid {r['pid']}) is gone; "
+                       "the next run resumes after the committed shards")
+            http.post(f"/flow_runs/{r['flow_run']}/set_state",
+                      json={"state": {"type": "CRASHED", "name": "Crashed", "message": message},
+                            "force": True}).raise_for_status()
+            ended.append(r["flow_run"])
+    return ended
 
 
 def _validation(out: Path, datasets: dict[str, Any]) -> dict[str, Any] | None:
@@ -110,6 +169,13 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("lock: held by " + ", ".join(f"{k}={v}" for k, v in holder.items() if v is not None))
     else:
         lines.append("lock: free")
+    for r in doc.get("stale_runs") or []:
+        if "error" in r:
+            lines.append(f"stale runs: unknown ({r['error']})")
+            continue
+        lines.append(f"stale run: Prefect says {r['name']} ({r['flow_run']}) is {r['state']}, but its process (host "
+                     f"{r['host']}, pid {r['pid']}) is gone; the zombie automation marks it Crashed once its "
+                     f"heartbeats are overdue; end it now: datagen status {doc['out_dir']} --end-stale")
     lines.append(f"validation: {_render_validation(doc['validation'], doc['out_dir'])}")
     lines.extend(render_fractions(doc["learned_fractions"]))
     lines.extend(_fractions_note(doc.get("fractions_from", "")))
@@ -165,6 +231,8 @@ def main(argv: list[str]) -> int:
                                 epilog=exit_codes(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", nargs="?", help="an output directory (without it: the remembered fractions only)")
     p.add_argument("--json", action="store_true", help="the status document as JSON")
+    p.add_argument("--end-stale", action="store_true",
+                   help="mark this output's stale runs (Running in Prefect, their process here gone) Crashed")
     args = parse_args(p, argv)
     if isinstance(args, int):
         return args
@@ -174,5 +242,15 @@ def main(argv: list[str]) -> int:
               else "\n".join(render_fractions(fractions)))
         return EXIT_OK
     doc = status(Path(args.out_dir))
+    if args.end_stale:
+        if not os.environ.get("PREFECT_API_URL", "").strip():
+            raise ValueError("--end-stale changes run states on the Prefect server: set PREFECT_API_URL to its API "
+                             "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)")
+        ended = end_stale(os.environ["PREFECT_API_URL"].strip(), doc["stale_runs"])
+        doc["ended_stale"] = ended
+        doc["stale_runs"] = [r for r in doc["stale_runs"] if r.get("flow_run") not in ended]
+        if not args.json:
+            print("\n".join(f"ended stale run {r}: Crashed (its deployment's slot is free)" for r in ended)
+                  or "no stale run to end")
     print(json.dumps(doc, indent=1, default=str) if args.json else render(doc))
     return EXIT_FAILED if any(d["damaged"] for d in doc["datasets"].values()) else EXIT_OK

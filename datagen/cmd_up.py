@@ -59,6 +59,14 @@ from datagen._database import (
     scrub,
     without_database_settings,
 )
+from datagen._heartbeats import AUTOMATION_NAME as ZOMBIE_AUTOMATION
+from datagen._heartbeats import (
+    CRASH_AFTER_ENV,
+    HEARTBEAT_ENV,
+    crash_after_s,
+    ensure_zombie_automation,
+    heartbeat_s,
+)
 from datagen._notify import AUTOMATION_NAME, NOTIFY_ENV, ensure_failure_automation
 from datagen._prefect_api import PrefectApi
 from flows.gpulimit import ensure_limits, limit_name
@@ -328,9 +336,9 @@ def _online(api_url: str, pool: str, name: str) -> bool:
         return False
 
 
-def _start_worker(run_dir: Path, pool: str, name: str, env: dict[str, str], root: Path) -> None:
+def _start_worker(run_dir: Path, pool: str, name: str, env: dict[str, str], root: Path, beat_s: int) -> None:
     """Start ``prefect worker start --pool POOL`` unless its pid file names a live one, and wait until
-    the server lists it online.
+    the server lists it online. Its flow runs send a heartbeat every ``beat_s`` (datagen/_heartbeats.py).
 
     Raises:
         UpError: the worker exited, or was not online within ``WORKER_ONLINE_S``.
@@ -343,7 +351,7 @@ def _start_worker(run_dir: Path, pool: str, name: str, env: dict[str, str], root
     log = run_dir / f"{pid_name}.log"
     # Prefect's worker asks for runs every 10 s by default, so a submitted run waited up to 10 s
     # before anything started; asking every WORKER_QUERY_S is one small API call (decision 110).
-    env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_S, **env}
+    env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_S, **env, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(beat_s)}
     pid = _start([_bin("prefect"), "worker", "start", "--pool", pool, "--name", name], log, env, root)
     _write_pid(run_dir, pid_name, pid)
     deadline = time.monotonic() + WORKER_ONLINE_S
@@ -353,7 +361,7 @@ def _start_worker(run_dir: Path, pool: str, name: str, env: dict[str, str], root
         if time.monotonic() > deadline:
             raise UpError(f"worker on pool {pool!r} (pid {pid}) not online after {WORKER_ONLINE_S:.0f} s:\n{_tail(log)}")
         time.sleep(0.5)
-    print(f"worker: pid {pid} {name!r} on pool {pool!r}, log {log}")
+    print(f"worker: pid {pid} {name!r} on pool {pool!r}, flow-run heartbeats every {beat_s} s, log {log}")
 
 
 def _database_of(args: argparse.Namespace) -> str | None:
@@ -414,6 +422,8 @@ def up(args: argparse.Namespace) -> int:
     root, run_dir, pool = _start_of(args)
     prefect_file = Path(args.prefect_file).resolve() if args.prefect_file else root / "prefect.yaml"
     deployments, pools = deployments_of(prefect_file)
+    beat = heartbeat_s(args.heartbeat_s)
+    crash_after = crash_after_s(args.crash_after_s, beat)
     env = _control_env(root)
     env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASE_STORAGE)  # slot leases survive a restart
     if args.api_url:
@@ -435,6 +445,11 @@ def up(args: argparse.Namespace) -> int:
              f"actions {', '.join(automation['actions'])} (route it: --notify <block-type>/<block-name> "
              f"or ${NOTIFY_ENV})")
     print(f"failure automation {AUTOMATION_NAME!r}: {'created' if automation['created'] else 'updated'}, {where}")
+    zombie = ensure_zombie_automation(api_url, crash_after)
+    change = "created" if zombie["created"] else "updated" if zombie["updated"] else "unchanged"
+    print(f"zombie automation {ZOMBIE_AUTOMATION!r}: {change}, "
+          + (f"marks a datagen deployment run Crashed {zombie['within']} s after its last heartbeat"
+             if zombie["enabled"] else "disabled (--crash-after-s 0)"))
 
     schedules_before = schedule_states(api_url)
     deploy_log = run_dir / "deploy.log"
@@ -455,7 +470,7 @@ def up(args: argparse.Namespace) -> int:
           "schedules: none active (`datagen up --schedule` or DATAGEN_SCHEDULE=1 turns on the nightly `all`)")
 
     if not args.no_worker:
-        _start_worker(run_dir, pool, args.name or f"datagen-{os.uname().nodename}", env, root)
+        _start_worker(run_dir, pool, args.name or f"datagen-{os.uname().nodename}", env, root, beat)
     ui = api_url.removesuffix("/api")
     print(f"Prefect UI: {ui}")
     # The prefect CLI finds this server only through PREFECT_API_URL (without it, it would start an
@@ -478,6 +493,7 @@ def _worker_api_url(args: argparse.Namespace, run_dir: Path) -> str:
 @reports_errors("datagen worker")
 def worker(args: argparse.Namespace) -> int:
     root, run_dir, pool = _start_of(args)
+    beat = heartbeat_s(args.heartbeat_s)
     api_url = _worker_api_url(args, run_dir)
     try:
         _wait_healthy(api_url, None, None, 10.0)
@@ -490,7 +506,7 @@ def worker(args: argparse.Namespace) -> int:
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
         _ensure_pools([pool])
-    _start_worker(run_dir, pool, args.name or f"datagen-{os.uname().nodename}", env, root)
+    _start_worker(run_dir, pool, args.name or f"datagen-{os.uname().nodename}", env, root, beat)
     print(f"stop it: datagen down{f' --run-dir {args.run_dir}' if args.run_dir else ''}")
     return EXIT_OK
 
@@ -547,6 +563,9 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--pool", default=POOL,
                             help=f"the work pool the worker serves (default {POOL!r}; created when missing)")
         parser.add_argument("--name", help="the worker's name (default datagen-<host name>)")
+        parser.add_argument("--heartbeat-s", type=int, metavar="S",
+                            help=f"seconds between its flow runs' heartbeats (default ${HEARTBEAT_ENV}, else 30; "
+                                 "Prefect's minimum is 30)")
     if cmd == "worker":
         parser.add_argument("--api-url", help="the Prefect API the worker serves (default $PREFECT_API_URL, else "
                                               "the server `datagen up` started with this --run-dir)")
@@ -563,6 +582,9 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--prefect-file", metavar="PATH",
                             help="the deployments to deploy (default <project>/prefect.yaml)")
         parser.add_argument("--no-worker", action="store_true", help="do not start a worker")
+        parser.add_argument("--crash-after-s", type=int, metavar="S",
+                            help="mark a datagen deployment run Crashed when its heartbeats stop for this long "
+                                 f"(default ${CRASH_AFTER_ENV}, else 120; at least twice --heartbeat-s; 0: off)")
         parser.add_argument("--schedule", action=argparse.BooleanOptionalAction, default=schedule_default,
                             help="turn the deployments' schedules (the nightly `all`) on, or off with "
                                  f"--no-schedule (default ${SCHEDULE_ENV}; unset: as they were, off on a "

@@ -25,6 +25,7 @@ from flows import runrecord
 from flows.cancel import stop_cause
 from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
+from flows.heartbeats import check_heartbeats
 from flows.progress import Progress
 from flows.summary import RunSummary
 from tasks.config import state_dir
@@ -72,6 +73,7 @@ def opened_output(ctx: RunContext, progress: Progress) -> Iterator[OutputDir]:
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": ctx.run_id}):
         output.check_intact()
         progress.start(committed(output))
+        check_heartbeats(progress.logger)
         yield output
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext, TaskRunContext
 
 from flows.eta import Eta, EtaInputs
@@ -126,6 +128,7 @@ class Progress:
             )
         except Exception as exc:  # observability must never fail the run
             self.logger.warning("progress artifact not created: %s", exc)
+        self._label({"datagen.host": socket.gethostname(), "datagen.progress": self.resume_point()})
 
     def reconcile(self, committed: Mapping[str, tuple[int, int, int]]) -> None:
         """Take the output's counts where they are ahead: a shard whose commit finished while the
@@ -206,11 +209,26 @@ class Progress:
         self.logger.info("progress %s", text)
         self._update(pct, text)
 
+    def resume_point(self) -> str:
+        """Where a run started now would resume, for the flow run's ``datagen.progress`` label (the
+        failure notification of a run crashed for silence quotes it: datagen/_notify.py)."""
+        per = ", ".join(f"{n} {c.shards}/{c.shards_total}" for n, c in self.counts.items())
+        return f"{self.done_shards}/{self.total_shards} shards committed ({per}); a rerun resumes after them"
+
     def _update(self, pct: float, text: str) -> None:
         if self._artifact is None or self._pool is None:
             return
         ctx = contextvars.copy_context()
         self._pool.submit(ctx.run, _safe_update, update_progress_artifact, self._artifact, pct, text)
+        self._label({"datagen.progress": self.resume_point()})
+
+    def _label(self, labels: dict[str, bool | int | float | str]) -> None:
+        """Set the flow run's labels (in order, off the caller's thread, never failing the run): a run
+        whose process dies keeps what they said last."""
+        if self._pool is None or not self.flow_run_id:
+            return
+        ctx = contextvars.copy_context()
+        self._pool.submit(ctx.run, _safe_label, self.flow_run_id, labels)
 
     def close(self, state: str = "done", why: str = "") -> None:
         """End the progress: ``done`` (100%), ``failed`` (``why``: e.g. the error's name) or
@@ -226,6 +244,14 @@ class Progress:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _safe_label(flow_run_id: str, labels: dict[str, bool | int | float | str]) -> None:
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run_labels(UUID(flow_run_id), dict(labels))
+    except Exception:
+        logging.getLogger("datagen.progress").warning("flow run labels not updated", exc_info=True)
 
 
 def _safe_update(fn: Any, artifact: UUID, pct: float, text: str) -> None:

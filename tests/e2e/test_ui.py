@@ -15,10 +15,8 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectApi, migrated_home
 from tests.support.runs import partition
+from tests.support.webhook import Hook
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -46,47 +45,6 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 BLOCK = "custom-webhook/datagen-ui-test"
 SUMMARY_KEY_PREFIX = "run-summary"  # the run-summary artifact of every finished run
 SHOTS = bool(os.environ.get(SHOTS_ENV))
-
-
-class Hook:
-    """A loopback HTTP endpoint that records the JSON bodies POSTed to it."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.cond = threading.Condition()
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                with hook.cond:
-                    hook.bodies.append(json.loads(body or b"{}"))
-                    hook.cond.notify_all()
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def wait(self, needle: str, timeout_s: float = 90) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                hit = [b for b in self.bodies if needle in json.dumps(b)]
-                if hit:
-                    return hit[0]
-                left = deadline - time.monotonic()
-                assert left > 0, f"no notification mentioning {needle!r}; got {self.bodies}"
-                self.cond.wait(left)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _up(env: dict[str, str], *args: str) -> str:
