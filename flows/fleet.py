@@ -42,7 +42,7 @@ from tasks.artifacts import artifact_key
 from tasks.inference import Endpoint, ServerPool
 from tasks.run import RunContext
 from tasks.server import HangWatchdog, ServerHandle
-from tasks.server.task import diagnose_server, stop
+from tasks.server.task import adopt_server, diagnose_server, plan_key, stop
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
 __all__ = ["RELAUNCHED_TAG", "Fleet", "ServerResult", "serve_server"]
@@ -332,6 +332,8 @@ def _bring_up(server: _Server, why: str) -> None:
         server.started = time.monotonic()
     if not ctx.launches:
         server.fingerprint = identify_server(ctx)
+    elif server.handle is None and not why and _adopted(server):
+        return  # a dead run's server, kept by its guardian for this run: no hygiene, no launch
     else:
         phase, reason = "before-launch", ""
         if server.handle is not None:  # a relaunch
@@ -342,12 +344,65 @@ def _bring_up(server: _Server, why: str) -> None:
             _stop(server)
             phase = f"relaunch-{server.relaunches}"
         hygiene(ctx, phase)
-        server.handle = handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
+        server.handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
                                                on_started=_record_started(server))
         server.unowned = None  # the handle owns it now
-        runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
-                               log=str(handle.log_path))
+        _record_ready(server)
     health_check(ctx, server.endpoint)
+
+
+def _record_ready(server: _Server) -> None:
+    """The run record's entry of the ready server: what the next run needs to adopt it should this
+    run die (its plan, port and fraction)."""
+    ctx, handle = server.ctx, server.handle
+    assert handle is not None
+    runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
+                           log=str(handle.log_path), plan=plan_key(ctx), port=_server_port(handle),
+                           fraction=handle.fraction)
+
+
+def _server_port(handle: ServerHandle) -> int | None:
+    """The port the server listens on, on its target (a remote server's URL is its forward's local end)."""
+    for i, arg in enumerate(handle.command):
+        if arg == "--port" and i + 1 < len(handle.command):
+            return int(handle.command[i + 1])
+        if arg.startswith("--port="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def _adopted(server: _Server) -> bool:
+    """Take over a server a dead run of this machine launched for the same plan, if its guardian
+    still waits out its grace (tasks/server/_leash.py), and check that it generates. True when it
+    serves this run now; False (after stopping it again when it failed its check) when the lifecycle
+    must clean and launch as usual."""
+    ctx = server.ctx
+    logger = get_run_logger()
+    for dead_run, entry in runrecord.adoptable(ctx.run_id, ctx.target, plan_key(ctx)):
+        if ctx.explicit_fraction is not None and entry.fraction != ctx.explicit_fraction:
+            continue  # the user asked for another fraction than it runs with
+        assert entry.port is not None
+        try:
+            handle = adopt_server(ctx, pid=entry.pid, started=entry.started, port=entry.port,
+                                  fraction=entry.fraction, log_path=entry.log or "", from_run=dead_run)
+        except Exception as exc:
+            logger.warning("server pid %s of dead run %s not adopted: %s", entry.pid, dead_run, _short(exc))
+            continue
+        if handle is None:
+            continue
+        runrecord.server_state(dead_run, entry.pid, "adopted", entry.target)
+        runrecord.server_started(ctx.run_id, ctx.target, handle.pid, handle.pgid)
+        server.handle = handle
+        _record_ready(server)
+        try:
+            health_check(ctx, server.endpoint)
+        except Exception as exc:
+            logger.warning("adopted server pid %s failed its health check (%s): stopped, launching anew",
+                           handle.pid, _short(exc))
+            _stop(server)
+            return False
+        return True
+    return False
 
 
 def _unlinked(handle: ServerHandle) -> ServerHandle:

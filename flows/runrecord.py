@@ -30,12 +30,14 @@ from typing import Any
 from tasks.config import state_dir
 from tasks.files import atomic_write_json
 from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
+from tasks.server._leash import guardian_state
 
 __all__ = [
     "RECORD_KEEP_DAYS",
     "Owner",
     "RunRecord",
     "ServerEntry",
+    "adoptable",
     "cleaned",
     "dead_runs",
     "end_dead_servers",
@@ -53,8 +55,9 @@ __all__ = [
     "summarised",
 ]
 
-# A server that needs nothing more: stopped by its run, ended by a hook or a later run, or gone.
-DONE_STATES = ("stopped", "ended", "gone")
+# A server that needs nothing more: stopped by its run, ended by a hook or a later run, gone, or
+# adopted by a later run (whose own record has it from then on).
+DONE_STATES = ("stopped", "ended", "gone", "adopted")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,10 @@ class ServerEntry:
     state: str | None = None  # starting | ready | stopped | ended | gone (None: recorded before states were)
     url: str | None = None
     log: str | None = None
+    # what a later run needs to adopt it (flows/fleet.py): its plan's key, port on its target, fraction
+    plan: str | None = None
+    port: int | None = None
+    fraction: float | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> ServerEntry | None:
@@ -113,7 +120,9 @@ class ServerEntry:
                        pgid=int(pgid) if pgid is not None else None,
                        started=float(started) if started is not None else None,
                        host=str(data.get("host") or ""), state=data.get("state"), url=data.get("url"),
-                       log=data.get("log"))
+                       log=data.get("log"), plan=data.get("plan"),
+                       port=int(data["port"]) if data.get("port") is not None else None,
+                       fraction=float(data["fraction"]) if data.get("fraction") is not None else None)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -265,14 +274,17 @@ def server_started(flow_run_id: str | None, target: str, pid: int, pgid: int) ->
     _change(flow_run_id, lambda r: r.servers.append(entry))
 
 
-def server_ready(flow_run_id: str | None, pid: int, *, target: str, pgid: int, url: str, log: str) -> None:
-    """The server answers at ``url`` (appended when not recorded at start)."""
+def server_ready(flow_run_id: str | None, pid: int, *, target: str, pgid: int, url: str, log: str,
+                 plan: str | None = None, port: int | None = None, fraction: float | None = None) -> None:
+    """The server answers at ``url`` (appended when not recorded at start); ``plan``, ``port`` and
+    ``fraction`` let a later run adopt it should this one die (:func:`adoptable`)."""
     def change(r: RunRecord) -> None:
         entry = r.server(pid, target) or r.server(pid)
         if entry is None:
             entry = ServerEntry(pid=pid, target=target, host=socket.gethostname())
             r.servers.append(entry)
         entry.target, entry.pgid, entry.url, entry.log, entry.state = target, pgid, url, log, "ready"
+        entry.plan, entry.port, entry.fraction = plan, port, fraction
     _change(flow_run_id, change)
 
 
@@ -356,14 +368,26 @@ def end_server(entry: ServerEntry, grace_s: float = 5.0) -> bool:
     return True
 
 
+def adoptable(exclude: str | None, target: str, plan: str) -> list[tuple[str, ServerEntry]]:
+    """The ready servers of this machine's dead runs on ``target`` launched for ``plan`` (the same
+    model, flags, GPUs and row fingerprint: tasks.server.task.plan_key), newest run first: what a new
+    run may adopt while their guardians wait out their grace."""
+    found = [(run_id, e) for run_id, r in dead_runs(exclude) for e in r.servers
+             if e.state == "ready" and e.target == target and e.plan == plan and e.port is not None]
+    return list(reversed(found))
+
+
 def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[tuple[str, ServerEntry]]:
     """End the recorded local servers of this machine's dead runs (see the module docstring), each
-    marked ended (or gone when it was not running) so it is looked at once. Returns
+    marked ended (or gone when it was not running) so it is looked at once; a server whose guardian
+    still waits out its grace is left to the run that adopts it, or to its guardian. Returns
     ``(run_id, entry)`` for each server ended. Never raises."""
     ended = []
     for run_id, record in dead_runs(exclude):
         for entry in record.servers:
             if entry.done or not entry.local:
+                continue
+            if entry.state == "ready" and guardian_state(entry.target, entry.pgid or entry.pid).startswith("waiting"):
                 continue
             try:
                 done = end_server(entry, grace_s)

@@ -34,6 +34,7 @@ from tasks.config._checks import (
 )
 from tasks.config._model import (
     BACKENDS,
+    SERVER_GRACE_S,
     SERVER_KEYS,
     PartitionConfig,
     ServerSettings,
@@ -92,6 +93,7 @@ def list_partitions() -> list[str]:
 _TOP_KEYS = {"name", "datasets", "model", "server", "sim_gpus", "run", "sampling", "validation", "output"}
 _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
+             "server_grace_s",
              "truncation", "order", "order_window", "dispatch", "host_wait_s", "price_per_gpu_hour",
              "samples", "regenerate"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
@@ -216,6 +218,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         order_window=order_window,
         dispatch=dispatch,
         host_wait_s=nonneg_float(run.get("host_wait_s", 300.0), f, "run.host_wait_s"),
+        server_grace_s=nonneg_float(run.get("server_grace_s", SERVER_GRACE_S), f, "run.server_grace_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),
         samples=int_from(1, MAX_SAMPLES)(run.get("samples", 1), f, "run.samples"),

@@ -90,6 +90,8 @@ class ServerSettings:
 
 
 # ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
+SERVER_GRACE_S = 180.0  # run.server_grace_s: a few minutes, what a restarted worker needs to come back
+
 NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port"})
 # Every [server] key: ServerConfig's launch settings and the partition's own.
 SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
@@ -137,6 +139,8 @@ class PartitionConfig:
     dispatch: str = "prefix"  # across servers: prefix (to the server that served the prefix) | free
     server_urls: tuple[str, ...] = ()  # running servers to use instead of launching (no hygiene)
     host_wait_s: float = 300.0  # how long a server whose host is unreachable is waited for
+    # how long a server outlives its dead run (a control host's crash), waiting for the next run to adopt it
+    server_grace_s: float = SERVER_GRACE_S
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
 
     samples: int = 1  # rows per prompt

@@ -25,9 +25,11 @@ from tasks.server._launch import (
     HygieneFn,
     ServerHandle,
     StopFailed,
+    adopt_running,
     launch,
     stop_server,
 )
+from tasks.server._leash import guardian_state
 from tasks.server._log import (
     Failure,
     FailureKind,
@@ -65,6 +67,8 @@ from tasks.server._tuner import (
 from tasks.server._watchdog import HangWatchdog
 
 __all__ = [
+    "adopt_running",
+    "guardian_state",
     "API_KEY_ENV",
     "Attempt",
     "BOOTSTRAP_ENV",

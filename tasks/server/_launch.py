@@ -31,7 +31,7 @@ import httpx
 from tasks import http
 from tasks.files import open_for_write
 from tasks.hygiene import clean_gpus
-from tasks.procs import ProcessIdentity, group_pids, live_pids, terminate_group
+from tasks.procs import ProcessIdentity, group_pids, live_pids, same_process, terminate_group
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
     API_KEY_ENV,
@@ -48,7 +48,7 @@ from tasks.server._config import (
     redact,
     server_flags,
 )
-from tasks.server._leash import Leash, leash
+from tasks.server._leash import Leash, adopt, leash
 from tasks.server._log import (
     Failure,
     FailureKind,
@@ -204,6 +204,7 @@ def launch(
     on_progress: Callable[[StartupProgress], None] | None = None,
     health_timeout_s: float = 25.0,
     on_started: Callable[[int, int], None] | None = None,
+    keep_s: float = 0.0,
 ) -> ServerHandle:
     """Start the server for ``cfg`` at ``fraction`` and return once ``/health_generate`` answers 200.
 
@@ -221,11 +222,14 @@ def launch(
     so a caller can record it (a flow SIGKILLed while the server loads leaves it running, and only
     a record lets the next run end it). Whatever it raises is re-raised after the new process group
     was killed: a server nobody recorded must not outlive the launch.
+
+    ``keep_s``: how long the server outlives this process, should it die, waiting for the next run to
+    adopt it (:func:`adopt_running`); 0: its guardian ends it at once (tasks/server/_leash.py).
     """
     shown = build_command(cfg, fraction)
     if _is_local(target):
         handle = _start_local(cfg, fraction, Path(log_dir), shown)
-        _put_on_leash(handle, lambda: _kill_group(handle, grace_s=5.0))
+        _put_on_leash(handle, lambda: _kill_group(handle, grace_s=5.0), keep_s)
 
         def kill_local() -> None:
             _kill_group(handle, grace_s=5.0)
@@ -253,7 +257,7 @@ def launch(
             server_remote.kill_group(t, started.pid, grace_s=5.0)
             _close_tunnel(handle)
 
-        _put_on_leash(handle, kill_remote)
+        _put_on_leash(handle, kill_remote, keep_s)
     try:
         _await_ready(handle, cfg, deadline_s, on_progress, health_timeout_s)
     except BaseException:
@@ -265,14 +269,52 @@ def launch(
     return handle
 
 
-def _put_on_leash(handle: ServerHandle, kill: Callable[[], Any]) -> None:
+def _put_on_leash(handle: ServerHandle, kill: Callable[[], Any], keep_s: float = 0.0) -> None:
     """Give ``handle`` its guardian (tasks.server._leash); a server that cannot be leashed is killed."""
     try:
-        handle._leash = leash(handle.target, handle.pgid)
+        handle._leash = leash(handle.target, handle.pgid, keep_s=keep_s)
     except BaseException:
         with contextlib.suppress(Exception):
             kill()
         raise
+
+
+def adopt_running(cfg: ServerConfig, target: Any, *, pid: int, started: float | None, fraction: float | None,
+                  log_path: str) -> ServerHandle | None:
+    """Take over a server a dead run launched with ``cfg`` (its port included) on ``target``, whose
+    guardian still waits out its grace: the guardian is held by this process from now on (its death
+    starts the grace again), and a remote server gets a new port forward. The server's readiness is
+    the caller's to check (a health check): this only takes it.
+
+    Returns None when it cannot be taken: a local pid that is not the recorded process any more (its
+    start time ``started``; None: never taken), or no guardian accepts (gone, its grace over, owned).
+
+    Raises:
+        TargetError, TargetUnreachable, OSError: the port forward to a remote server cannot be opened
+            (the guardian is let go again: its grace starts over).
+    """
+    t = parse_target(target)
+    if t.is_local and (started is None or not same_process(ProcessIdentity(pid, started))):
+        return None
+    held = adopt(t, pid)
+    if held is None:
+        return None
+    tunnel = None
+    try:
+        if not t.is_local:
+            tunnel = server_remote.open_tunnel(t, cfg.host, cfg.port)
+    except BaseException:
+        held.release()
+        raise
+    handle = ServerHandle(
+        pid=pid, pgid=pid, url=cfg.url if tunnel is None else f"http://127.0.0.1:{tunnel.local_port}",
+        log_path=log_path, fraction=fraction, target=target if isinstance(target, str) else str(t),
+        command=build_command(cfg, fraction), gpus=cfg.gpu_indexes(), progress=StartupProgress(phase="adopted"),
+        ready_s=0.0, api_key=cfg.api_key, _tunnel=tunnel, _leash=held,
+    )
+    if t.is_local:
+        handle._members = [i for i in map(ProcessIdentity.of, group_pids(pid)) if i is not None]
+    return handle
 
 
 def _release_leash(handle: ServerHandle) -> None:

@@ -5,6 +5,10 @@ the UI (the launch artifact, rewritten when that server dies). The server's life
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import socket
 import threading
 from collections.abc import Callable
@@ -23,14 +27,18 @@ from tasks.run import RunContext
 from tasks.server import (
     LaunchReport,
     ServerHandle,
+    adopt_running,
+    build_command,
     classify_failure,
+    launch,
     launch_tuned,
     record_runtime_oom,
     stop_server,
 )
 from tasks.targets import parse_target
 
-__all__ = ["LOW_HEADROOM_GIB", "diagnose_server", "health_check", "identify_server", "launch_server", "stop"]
+__all__ = ["LOW_HEADROOM_GIB", "adopt_server", "diagnose_server", "health_check", "identify_server", "launch_server",
+           "plan_key", "stop"]
 
 # The launch artifact of each server of this process's runs, ``(run id, pid) -> (artifact id, its
 # markdown)``: rewritten to lead with the death when that server dies (server threads share it).
@@ -69,7 +77,8 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
     port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else 30000)
     pinned = ctx.explicit_fraction if attempt == 1 else None
     handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
-                                  on_started=on_started, pinned=pinned)
+                                  on_started=on_started, pinned=pinned,
+                                  launcher=functools.partial(launch, keep_s=cfg.server_grace_s))
     relaunch = f"relaunch {attempt - 1}/{cfg.max_relaunches} after {reason}" if attempt > 1 else ""
     start = relaunch or _start_source(report)
     headroom = handle.headroom_gib
@@ -105,6 +114,50 @@ def _start_source(report: LaunchReport) -> str:
         kept = f"; remembered {report.remembered}" if report.remembered is not None else ""
         return f"explicit run parameter{kept}"
     return report.start_source
+
+
+def plan_key(ctx: RunContext) -> str:
+    """What makes a running server this run's server: its target, GPUs, the command it was launched
+    with less the port and the memory fraction (the tuner picks those per launch) and the rows'
+    fingerprint (validation allows one per shard). A later run adopts a dead run's server only when
+    its own key is the same (flows/fleet.py)."""
+    cfg = dataclasses.replace(ctx.cfg.server_config(1, ctx.parser), mem_fraction_static=None)  # any port: the same
+    ident = [ctx.target, list(ctx.gpus), build_command(cfg, None), dict(cfg.env), ctx.fingerprint]
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+@task(task_run_name=run_name("adopt-{host}-{gpus}"), cache_policy=NONE)
+def adopt_server(ctx: RunContext, *, pid: int, started: float | None, port: int, fraction: float | None,
+                 log_path: str, from_run: str) -> ServerHandle | None:
+    """Take over the server run ``from_run`` launched for this plan (pid ``pid`` on this server's
+    target, listening on ``port``), whose guardian waits out its grace after that run died: no
+    hygiene, no launch. Says so in the launch artifact. None when it cannot be taken (then the
+    lifecycle cleans and launches as usual).
+
+    Raises:
+        TargetUnreachable, OSError: a remote server's port forward cannot be opened.
+    """
+    cfg = ctx.cfg
+    handle = adopt_running(cfg.server_config(port, ctx.parser), parse_target(ctx.target), pid=pid, started=started,
+                           fraction=fraction, log_path=log_path)
+    if handle is None:
+        return None
+    lines = [f"# Server launch 1 on `{ctx.host}` {gpu_label(ctx.gpus)}: adopted", "",
+             f"- **adopted**: the server run `{from_run}` launched (pid {pid}), still running after that run "
+             f"died; relaunched 0 times, its GPUs kept as they were",
+             f"- --mem-fraction-static: **{fraction}** (as launched)",
+             f"- relaunch budget: 0 of {cfg.max_relaunches} used",
+             f"- url: `{handle.url}` (this run's server now: stopped when the run ends)",
+             f"- pid {pid}, log `{log_path}`"]
+    artifact = markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
+                        description=f"OK: adopted the server of run {from_run} on {ctx.host} {gpu_label(ctx.gpus)} "
+                                    f"(pid {pid}, fraction {fraction})")
+    if artifact is not None:
+        with _LAUNCH_ARTIFACTS_LOCK:
+            _LAUNCH_ARTIFACTS[(ctx.run_id, handle.pid)] = (artifact, "\n".join(lines))
+    get_run_logger().info("server on %s adopted: pid %s of dead run %s at %s (fraction %s); no hygiene, no launch",
+                          ctx.host, pid, from_run, handle.url, fraction)
+    return handle
 
 
 @task(task_run_name=run_name("health-{host}-{gpus}"), cache_policy=NONE)

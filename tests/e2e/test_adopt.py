@@ -1,0 +1,112 @@
+"""Servers survive a short control outage: `datagen run` killed with kill -9 (its process alone, as an
+OOM-kill or a crashed control host leaves a GPU host's server running), then the same run again.
+
+Within the grace (``run.server_grace_s``) the rerun adopts the live server instead of cleaning and
+relaunching (0 launches; the run record and the launch artifact say "adopted") and every row is
+generated exactly once; past the grace, the server's guardian ends it and no process or simulated
+GPU memory is left without an owner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from emulator.simgpu import ENV_VAR, SimGpus
+from tasks.server import guardian_state
+from tasks.server._leash import leash_socket
+from tests.support.common import pid_alive
+from tests.support.paths import REPO_ROOT
+from tests.support.prefect import PrefectServer
+from tests.support.runs import assert_exactly_once, done_rows, partition, records
+
+pytestmark = pytest.mark.slow
+DATAGEN = str(Path(sys.executable).parent / "datagen")
+
+
+def _setup(prefect_server: PrefectServer, tmp: Path, grace_s: float) -> tuple[Path, dict[str, list[str]],
+                                                                             dict[str, str], list[str]]:
+    part, ids = partition(tmp, {"ds": 96}, ["--emu-decode-ms-per-step", "30"], shard=16, conc=8, max_relaunches=1)
+    part.write_text(part.read_text().replace("[run]\n", f"[run]\nserver_grace_s = {grace_s:g}\n"))
+    SimGpus.init(tmp / "sim-gpus.json", count=2)
+    env = prefect_server.env(**{ENV_VAR: str(tmp / "sim-gpus.json"), "DATAGEN_STATE_DIR": str(tmp / "state"),
+                                "DATAGEN_RUN_DIR": str(tmp / "run")})
+    return part, ids, env, [DATAGEN, "run", "--partition", str(part), "--out", str(tmp / "out")]
+
+
+def _killed_mid_run(cmd: list[str], env: dict[str, str], tmp: Path, reap_pids: list[int]) -> tuple[str, int]:
+    """Start the run, SIGKILL its process alone once 20 rows are done; its run id and server pid."""
+    with open(tmp / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    reap_pids.append(first.pid)
+    deadline = time.monotonic() + 90
+    while done_rows(tmp / "out") < 20:
+        assert first.poll() is None, (tmp / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the first run generated nothing"
+        time.sleep(0.05)
+    (run_id, record), = records(tmp).items()
+    server_pid = int(record["servers"][0]["pid"])
+    reap_pids.append(server_pid)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    return run_id, server_pid
+
+
+def _gpus_free(tmp: Path) -> bool:
+    return all(g["used_mib"] == 0 for g in SimGpus(tmp / "sim-gpus.json").snapshot()["gpus"])
+
+
+def test_a_rerun_within_the_grace_adopts_the_server_and_launches_nothing(
+        prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
+    part, ids, env, cmd = _setup(prefect_server, tmp_path, grace_s=300)
+    run_id, server_pid = _killed_mid_run(cmd, env, tmp_path, reap_pids)
+    time.sleep(1.0)  # past the guardian's read of the closed pipe
+    assert pid_alive(server_pid)  # kept: its owner died, its guardian waits for the next run
+    assert guardian_state("local", server_pid).startswith("waiting "), guardian_state("local", server_pid)
+    assert not _gpus_free(tmp_path)
+
+    second = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert f"adopted: pid {server_pid} of dead run {run_id}" in text, text[-3000:]
+    assert "hygiene-before-launch" not in text and "launch-local" not in text, text[-3000:]
+    assert ", 0 relaunches" in text, text[-2000:]
+    recs = records(tmp_path)
+    assert [s["state"] for s in recs[run_id]["servers"]] == ["adopted"]
+    (new_id,) = [k for k in recs if k != run_id]
+    assert [(s["pid"], s["state"]) for s in recs[new_id]["servers"]] == [(server_pid, "stopped")]
+    assert_exactly_once(tmp_path / "out", ids)
+    # the adopting run stopped it as its own: nothing left, the guardian gone with its socket
+    assert not pid_alive(server_pid)
+    assert not os.path.exists(leash_socket(server_pid))
+    assert _gpus_free(tmp_path)
+
+
+def test_past_the_grace_the_guardian_ends_the_server_and_frees_its_gpus(
+        prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
+    grace = 4.0
+    part, ids, env, cmd = _setup(prefect_server, tmp_path, grace_s=grace)
+    run_id, server_pid = _killed_mid_run(cmd, env, tmp_path, reap_pids)
+    killed = time.monotonic()
+    assert pid_alive(server_pid)
+    # the guardian waits out the grace, then ends the group as a stop does (LEASH_GRACE_S at most)
+    deadline = killed + grace + 20 + 15
+    while pid_alive(server_pid) or not _gpus_free(tmp_path):
+        assert time.monotonic() < deadline, f"server {server_pid} alive {time.monotonic() - killed:.0f} s after the kill"
+        time.sleep(0.2)
+    assert time.monotonic() - killed >= grace - 0.5  # kept through its grace
+    assert not os.path.exists(leash_socket(server_pid))
+
+    # the next run finds nothing to adopt: it launches, and finishes the output exactly once
+    second = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert "adopted" not in text
+    assert_exactly_once(tmp_path / "out", ids)
+    assert _gpus_free(tmp_path)
