@@ -103,6 +103,7 @@ class Plan:
     act_at_rows: int | None = None  # multi: kill the victim's server / cut its host off at this many rows
     restore_after_s: float = 0.0  # multi_host_unreachable: its sshd comes back after this long
     plant: str | None = None  # dir_symlink: the directory under OUT planted as a link to the sentinel
+    server_grace_s: float | None = None  # run.server_grace_s (None: the default; a kill9 rerun adopts)
 
     def describe(self) -> str:
         bits: list[str] = []
@@ -193,6 +194,8 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
         p.plant = rng.choice(("ds0", "_journal", "_journal/ds0", "_rejects", "_logs"))
     elif fault in ("manifest_traversal", "kill9_no_rerun"):
         p.kill_at_rows = rng.randint(1, max(1, total - 1))
+        if fault == "kill9_no_rerun":  # nobody adopts its server: its guardian ends it after the grace
+            p.server_grace_s = round(rng.uniform(1.0, 5.0), 1)
     elif fault == "bad_body":
         p.extra_args += ["--emu-bad-body-rate", f"{rng.uniform(0.03, 0.15):.2f}", "--emu-seed", str(rng.randrange(1000))]
     return p
@@ -260,6 +263,7 @@ def write_partition(path: Path, plan: Plan, datasets: dict[str, Path], out: Path
     ds = "\n".join(f'{name} = "{p}"' for name, p in datasets.items())
     extra = ", ".join(json.dumps(a) for a in plan.extra_args)
     frac = f"mem_fraction_static = {plan.mem_fraction}\n" if plan.mem_fraction is not None else ""
+    grace = f"server_grace_s = {plan.server_grace_s}\n" if plan.server_grace_s is not None else ""
     path.write_text(f"""name = "chaos{plan.round}"
 [datasets]
 {ds}
@@ -280,7 +284,7 @@ max_relaunches = 3
 hygiene_grace_s = 1
 hang_timeout_s = 3
 host_wait_s = 30
-[sampling]
+{grace}[sampling]
 max_new_tokens = 256
 [output]
 root = "{out}"
@@ -395,6 +399,7 @@ class RoundResult:
     gpu_mib_left: int = 0
     outside_changed: bool = False  # the sentinel tree outside OUT differs after the round
     outlived_s: float | None = None  # kill9_no_rerun: how long the killed run's processes lived on
+    outlive_bound_s: float = OUTLIVE_BOUND_S  # its bound: OUTLIVE_BOUND_S past the server's grace
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -403,7 +408,7 @@ class RoundResult:
         return (not self.errors and self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
                 and self.rejects == self.rejects_expected and self.validate_rc == 0 and not self.leftovers
                 and self.gpu_mib_left == 0 and not self.outside_changed
-                and (self.outlived_s is None or self.outlived_s <= OUTLIVE_BOUND_S))
+                and (self.outlived_s is None or self.outlived_s <= self.outlive_bound_s))
 
 
 def _done_rows(out: Path) -> int:
@@ -634,7 +639,8 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
         res.runs.append(status)
         sims = [sim_path, *(h.sim_gpus for h in hosts)]
         if plan.fault == "kill9_no_rerun" and status.startswith("killed"):
-            res.outlived_s = _wait_gone(tag, sims, OUTLIVE_BOUND_S)  # no rerun cleans up: the run's leash must
+            res.outlive_bound_s = OUTLIVE_BOUND_S + (plan.server_grace_s or 0.0)
+            res.outlived_s = _wait_gone(tag, sims, res.outlive_bound_s)  # no rerun cleans up: the run's leash must
         if link is not None:
             if status != "2" or f"refusing to use {link}: it is a symbolic link" not in log.read_text():
                 res.errors.append(f"planted {plan.plant}: the run exited {status} without refusing the link")

@@ -170,3 +170,9 @@ def crash_bound_on_server(api_url: str) -> int | None:
         return None
     within = found[0].get("trigger", {}).get("within")
     return int(within) if within is not None else None
+
+
+if __name__ == "__main__":  # `python -m datagen._heartbeats [BOUND_S]`: the document, for `prefect automation create`
+    import sys
+
+    print(json.dumps(zombie_automation(crash_after_s(sys.argv[1] if len(sys.argv) > 1 else None))))

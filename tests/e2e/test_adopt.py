@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,11 @@ import pytest
 from emulator.simgpu import ENV_VAR, SimGpus
 from tasks.server import guardian_state
 from tasks.server._leash import leash_socket
-from tests.support.common import pid_alive
+from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import assert_exactly_once, done_rows, partition, records
+from tests.support.sshd import SSHD, SshHost, hosts_env, start_hosts, stop_hosts
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -110,3 +112,67 @@ def test_past_the_grace_the_guardian_ends_the_server_and_frees_its_gpus(
     assert "adopted" not in text
     assert_exactly_once(tmp_path / "out", ids)
     assert _gpus_free(tmp_path)
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SshHost]:
+    """One sshd host; this process reaches it too (``guardian_state`` over SSH)."""
+    if not os.path.exists(SSHD):
+        pytest.skip("openssh-server is not installed: apt-get install -y openssh-server")
+    (started,) = start_hosts(tmp_path / "hosts", ["127.0.0.6"])
+    for name, value in hosts_env([started]).items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield started
+    finally:
+        stop_hosts([started])
+
+
+def _remote(prefect_server: PrefectServer, tmp: Path, host: SshHost, grace_s: float) -> tuple[
+        dict[str, list[str]], dict[str, str], list[str]]:
+    part, ids = partition(tmp, {"ds": 96}, ["--emu-decode-ms-per-step", "30"], shard=16, conc=8, max_relaunches=1)
+    target = (f'[{{ target = "{host.url()}", port = {free_port(host.address)}, '
+              f'flags = {{ host = "{host.address}" }} }}]')
+    part.write_text(part.read_text().replace("[run]\n", f"[run]\nserver_grace_s = {grace_s:g}\n")
+                    .replace('targets = ["local"]', f"targets = {target}"))
+    env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
+                             **hosts_env([host]))
+    env.pop(ENV_VAR, None)  # the host's own, from its sshd
+    return ids, env, [DATAGEN, "run", "--partition", str(part), "--out", str(tmp / "out")]
+
+
+def _host_gpus_free(host: SshHost) -> bool:
+    return all(g["used_mib"] == 0 for g in SimGpus(host.sim_gpus).snapshot()["gpus"])
+
+
+def test_a_server_on_an_ssh_host_is_adopted_over_ssh_within_the_grace(
+        prefect_server: PrefectServer, host: SshHost, tmp_path: Path, reap_pids: list[int]) -> None:
+    ids, env, cmd = _remote(prefect_server, tmp_path, host, grace_s=300)
+    run_id, server_pid = _killed_mid_run(cmd, env, tmp_path, reap_pids)
+    time.sleep(1.0)
+    assert pid_alive(server_pid)  # the sshd host is this machine: its pids are ours to look at
+    assert guardian_state(host.url(), server_pid).startswith("waiting "), guardian_state(host.url(), server_pid)
+
+    second = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert f"adopted: pid {server_pid} of dead run {run_id}" in text, text[-3000:]
+    assert ", 0 relaunches" in text, text[-2000:]
+    assert_exactly_once(tmp_path / "out", ids)
+    assert not pid_alive(server_pid)
+    assert _host_gpus_free(host)
+
+
+def test_past_the_grace_a_server_on_an_ssh_host_is_ended_there(
+        prefect_server: PrefectServer, host: SshHost, tmp_path: Path, reap_pids: list[int]) -> None:
+    grace = 4.0
+    ids, env, cmd = _remote(prefect_server, tmp_path, host, grace_s=grace)
+    run_id, server_pid = _killed_mid_run(cmd, env, tmp_path, reap_pids)
+    killed = time.monotonic()
+    assert pid_alive(server_pid)
+    deadline = killed + grace + 20 + 15
+    while pid_alive(server_pid) or not _host_gpus_free(host):
+        assert time.monotonic() < deadline, f"server {server_pid} alive {time.monotonic() - killed:.0f} s after the kill"
+        time.sleep(0.2)
+    assert time.monotonic() - killed >= grace - 0.5
+    assert guardian_state(host.url(), server_pid).startswith("none"), guardian_state(host.url(), server_pid)

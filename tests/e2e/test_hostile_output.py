@@ -125,9 +125,11 @@ def test_a_full_disk_fails_with_exit_1_naming_the_file_and_the_rerun_resumes(
 
 def test_a_run_killed_with_sigkill_leaves_no_server_and_no_gpu_memory_held(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
-    """No rerun follows: the run's own leash must end its server (the simulated GPU holds 0 MiB)."""
+    """No rerun follows: the run's own leash must end its server (the simulated GPU holds 0 MiB). With
+    ``run.server_grace_s = 0`` it does so at once, as before the grace (its expiry: test_adopt.py)."""
     part, _ = partition(tmp_path, {"ds": 200}, ["--emu-decode-ms-per-step", "30"], shard=20, conc=8,
                         max_relaunches=0)
+    part.write_text(part.read_text().replace("[run]\n", "[run]\nserver_grace_s = 0\n"))
     env = _env(prefect_server, tmp_path)
     out = tmp_path / "out"
     with open(tmp_path / "run.log", "wb") as log:

@@ -12,6 +12,7 @@ import pytest
 from datagen._api_server import ApiServerError
 from datagen._cli import EXIT_FAILED, EXIT_USAGE, exit_code_for, exit_codes, reports_errors
 from datagen._database import DatabaseUnreachable
+from datagen._heartbeats import HeartbeatError
 from datagen._notify import NotifyError
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
@@ -49,14 +50,14 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed, NoGpus,
+    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed, NoGpus, HeartbeatError,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
 USAGE: set[type[DatagenError]] = {
     ConfigError, TemplateError, TargetError, ServerConfigError, ThresholdError, ShardsError, OutputLocked,
     InputChanged, ManifestError, ExportError, BadOutput, TargetUnreachable, ProbeFailed, DamagedShards,
-    UnrecordedShards, UnsafeFile, NotifyError, DatabaseUnreachable,
+    UnrecordedShards, UnsafeFile, NotifyError, DatabaseUnreachable, HeartbeatError,
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, NoGpus, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,

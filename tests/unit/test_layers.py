@@ -60,7 +60,7 @@ def test_every_stage_task_sits_beside_its_core_and_the_cores_stay_plain() -> Non
         "tasks/config/task.py": ["load_config"],
         "tasks/hygiene/task.py": ["hygiene"],
         "tasks/inference/task.py": ["open_datasets", "infer_dataset"],
-        "tasks/server/task.py": ["launch_server", "health_check", "identify_server", "diagnose_server", "stop"],
+        "tasks/server/task.py": ["launch_server", "adopt_server", "health_check", "identify_server", "diagnose_server", "stop"],
         "tasks/shards/task.py": ["prepare_run", "promote"],
         "tasks/validation/task.py": ["validate"],
     }
