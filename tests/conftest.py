@@ -62,6 +62,7 @@ os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 # short files fill in behind them. xdist's own reorder (most tests first) sent the one-test files that
 # run a minute or more last, and a single worker ran the suite's last 2-3 minutes alone.
 HEAVIEST_FIRST = (
+    "tests/e2e/test_zombie.py",  # about 120 s, most of it waiting for the automation: its idle time overlaps the rest
     "tests/e2e/test_prefect.py",  # 294 s
     "tests/e2e/test_run_interrupts.py",  # 204 s
     "tests/sglang/test_differential.py",  # about 110 s: the probes, the real-only checks and the --server-url runs
@@ -69,6 +70,7 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_ui.py",  # 171 s
     "tests/e2e/test_scale_out.py",  # 142 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
+    "tests/e2e/test_adopt.py",  # about 100 s
     "tests/e2e/test_chaos_quick.py",  # 84 s
     "tests/e2e/test_readme_production.py",  # 72 s
     "tests/sglang/test_failures.py",  # 71 s

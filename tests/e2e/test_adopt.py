@@ -104,14 +104,7 @@ def test_past_the_grace_the_guardian_ends_the_server_and_frees_its_gpus(
         time.sleep(0.2)
     assert time.monotonic() - killed >= grace - 0.5  # kept through its grace
     assert not os.path.exists(leash_socket(server_pid))
-
-    # the next run finds nothing to adopt: it launches, and finishes the output exactly once
-    second = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    text = second.stdout + second.stderr
-    assert second.returncode == 0, text[-3000:]
-    assert "adopted" not in text
-    assert_exactly_once(tmp_path / "out", ids)
-    assert _gpus_free(tmp_path)
+    assert guardian_state("local", server_pid).startswith("none")  # nothing left to adopt
 
 
 @pytest.fixture
