@@ -57,12 +57,15 @@ from tests.support.sshd import (  # noqa: E402
 
 FAULTS = ("kill9", "server_crash", "runtime_oom", "hang", "http_503", "orphan", "stale_holder",
           "disk_full", "malformed", "multi_server_dies", "multi_host_unreachable", "multi_server_hangs",
-          "dir_symlink", "manifest_traversal", "bad_body", "kill9_no_rerun")
+          "dir_symlink", "manifest_traversal", "bad_body", "kill9_no_rerun", "worker_kill")
 # Faults of one server among three, each on its own host (a real sshd on 127.0.0.2, .3, .4).
 MULTI = ("multi_server_dies", "multi_host_unreachable", "multi_server_hangs")
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 TAG_ENV = "DATAGEN_CHAOS_TAG"
 MAX_PROGRESS_RERUNS = 12  # reruns beyond --max-reruns only while each adds rows
+# worker_kill: the round's deployment run is SIGKILLed with its worker's whole process tree; the zombie
+# automation of `datagen up` must mark it Crashed (heartbeats every 30 s, this bound), the next run completes
+WORKER_CRASH_AFTER_S = 60
 OUTLIVE_BOUND_S = 30.0  # kill9_no_rerun: no process of the killed run (its server) may live longer
 # Files outside OUT that a run following a planted link or a hostile manifest would write, delete or
 # rewrite; every round checksums this tree before and after.
@@ -192,7 +195,7 @@ def plan_round(seed: int, k: int, faults: list[str] | None, quick: bool) -> Plan
         p.victim_args = f"--emu-hang-after {rng.randint(5, max(5, total // 6))}"
     elif fault == "dir_symlink":
         p.plant = rng.choice(("ds0", "_journal", "_journal/ds0", "_rejects", "_logs"))
-    elif fault in ("manifest_traversal", "kill9_no_rerun"):
+    elif fault in ("manifest_traversal", "kill9_no_rerun", "worker_kill"):
         p.kill_at_rows = rng.randint(1, max(1, total - 1))
         if fault == "kill9_no_rerun":  # nobody adopts its server: its guardian ends it after the grace
             p.server_grace_s = round(rng.uniform(1.0, 5.0), 1)
@@ -333,6 +336,7 @@ class PrefectApi:
         self.home = home
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.deployed = False  # `datagen up --no-worker` ran against it (worker_kill rounds)
 
     def start(self, deadline_s: float = 90.0) -> None:
         with socket.socket() as s:
@@ -573,6 +577,81 @@ def _hostile_manifest(res: RoundResult, out: Path, cmd: list[str], env: dict[str
     return str(proc.returncode)
 
 
+def _worker_kill(res: RoundResult, plan: Plan, api: PrefectApi, part: Path, out: Path, env: dict[str, str],
+                 rdir: Path, timeout_s: float) -> str:
+    """The worker_kill round through Prefect as a user runs it: `datagen up --no-worker` (once per chaos
+    run: deployments, the zombie automation), `datagen worker`, a run of datagen/demo on the round's
+    partition; at the planned rows, SIGKILL of the worker and every process under it; `datagen worker`
+    again; the run must be Crashed by its stopped heartbeats, and a new run of the deployment (its
+    slot free) complete. Returns the last run's status ("0" when it completed)."""
+    wenv = dict(env, DATAGEN_HOME=str(ROOT), DATAGEN_CRASH_AFTER_S=str(WORKER_CRASH_AFTER_S))
+    if not api.deployed:
+        up = subprocess.run([DATAGEN, "up", "--api-url", api.url, "--no-worker", "--run-dir", str(api.home / "run")],
+                            env=wenv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if up.returncode != 0:
+            raise RuntimeError(f"datagen up exited {up.returncode}: {(up.stdout + up.stderr)[-2000:]}")
+        api.deployed = True
+    run_dir = rdir / "run"
+
+    def worker() -> int:
+        w = subprocess.run([DATAGEN, "worker", "--api-url", api.url], env=wenv, cwd=ROOT, capture_output=True,
+                           text=True, timeout=240)
+        if w.returncode != 0:
+            raise RuntimeError(f"datagen worker exited {w.returncode}: {(w.stdout + w.stderr)[-2000:]}")
+        return int(json.loads((run_dir / "worker.pid").read_text())["pid"])
+
+    final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+    try:
+        pid = worker()
+        with http_client(timeout=30) as http:
+            dep = http.get(f"{api.url}/deployments/name/datagen/demo").raise_for_status().json()
+
+            def submit() -> str:
+                body = {"parameters": {"partition": str(part), "out": str(out)}}
+                return str(http.post(f"{api.url}/deployments/{dep['id']}/create_flow_run", json=body)
+                           .raise_for_status().json()["id"])
+
+            def state(run: str) -> dict[str, str]:
+                return http.get(f"{api.url}/flow_runs/{run}").raise_for_status().json()["state"] or {}
+
+            def wait(run: str, types: set[str], bound_s: float) -> dict[str, str]:
+                end = time.monotonic() + bound_s
+                while (st := state(run)).get("type") not in types and time.monotonic() < end:
+                    time.sleep(0.5)
+                return st
+
+            run = submit()
+            start = time.monotonic()
+            assert plan.kill_at_rows is not None
+            while _done_rows(out) < plan.kill_at_rows and state(run).get("type") not in final:
+                if time.monotonic() - start > timeout_s:
+                    res.errors.append(f"worker_kill: the run reached {_done_rows(out)} rows in {timeout_s:.0f} s")
+                    return "timeout"
+                time.sleep(0.05)
+            if state(run).get("type") in final:
+                res.runs.append(f"ended-before-kill:{state(run).get('type')}")
+            else:
+                procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+                for p in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.send_signal(signal.SIGKILL)
+                psutil.wait_procs(procs, timeout=10)
+                res.runs.append(f"worker-killed@{time.monotonic() - start:.1f}s")
+                worker()  # `datagen worker` (or `up`) brings it back, as after a reboot
+                st = wait(run, final, 3 * WORKER_CRASH_AFTER_S + 30)
+                res.runs.append(st.get("type", "?").lower())
+                if st.get("type") != "CRASHED" or not str(st.get("message", "")).startswith("datagen: no heartbeat"):
+                    res.errors.append(f"worker_kill: the killed run ended {st.get('type')}: {st.get('message')}")
+            rerun = submit()
+            st = wait(rerun, final, timeout_s)
+            if st.get("type") != "COMPLETED":
+                res.errors.append(f"worker_kill: the next run ended {st.get('type')}: {st.get('message')}")
+            return "0" if st.get("type") == "COMPLETED" else str(st.get("type", "?")).lower()
+    finally:
+        subprocess.run([DATAGEN, "down", "--run-dir", str(run_dir)], env=wenv, cwd=ROOT, capture_output=True,
+                       timeout=120)
+
+
 def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_timeout_s: float) -> RoundResult:
     t0 = time.monotonic()
     res = RoundResult(plan.round, plan.fault, plan.describe())
@@ -633,7 +712,10 @@ def run_round(plan: Plan, work: Path, api: PrefectApi, max_reruns: int, run_time
         cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
         log = rdir / "run.log"
         killing = plan if plan.fault in ("kill9", "manifest_traversal", "kill9_no_rerun") else None
-        status = _run_datagen(cmd, env, log, run_timeout_s, killing, out, act)
+        if plan.fault == "worker_kill":
+            status = _worker_kill(res, plan, api, part, out, env, rdir, run_timeout_s)
+        else:
+            status = _run_datagen(cmd, env, log, run_timeout_s, killing, out, act)
         for timer in timers:
             timer.join()  # the host is back before any rerun
         res.runs.append(status)
