@@ -85,11 +85,24 @@ def _round(work: Path, model: Path, grace_s: float) -> dict[str, float]:
     adopted = " adopted: pid " in text
     if adopted != (grace_s > 0):
         raise RuntimeError(f"grace {grace_s:g}: adopted={adopted}:\n{text[-2000:]}")
-    alive = [p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    if alive:
-        for pid in alive:
-            os.kill(pid, signal.SIGKILL)
-        raise RuntimeError(f"processes of the killed run still alive after the rerun: {alive}")
+    def alive() -> list[psutil.Process]:
+        found = []
+        for p in left:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    end = time.monotonic() + 20  # a guardian looks every second; a stop ends a group within its grace
+    while alive() and time.monotonic() < end:
+        time.sleep(0.2)
+    if stuck := alive():
+        names = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in stuck]
+        for p in stuck:
+            p.kill()
+        raise RuntimeError(f"processes of the killed run still alive 20 s after the rerun: {names}")
     return {"rerun_s": took, "launches": float(sum(1 for ln in text.splitlines() if "server up on" in ln))}
 
 
