@@ -239,16 +239,24 @@ def leash(target: str | Target, pgid: int, grace_s: float = LEASH_GRACE_S, keep_
         argv = [sys.executable, "-c", LEASH_SCRIPT, *args]
     else:
         argv = _remote_argv(t, LEASH_SCRIPT, args, "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
-    read_fd, write_fd = os.pipe()  # both close-on-exec: the guardian gets the read end as its stdin only
+    proc, write_fd = _start_held(argv, subprocess.DEVNULL)
+    return Leash(proc, write_fd, pgid, str(t))
+
+
+def _start_held(argv: list[str], stdout: int) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``argv`` in a session of its own with a pipe as its stdin; returns it and the pipe's write
+    end, held by this process alone (both ends are close-on-exec: the child gets the read end as its
+    stdin only), so that the child reads end-of-file when this process dies."""
+    read_fd, write_fd = os.pipe()
     try:
-        proc = subprocess.Popen(argv, stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, stdin=read_fd, stdout=stdout, stderr=subprocess.DEVNULL,
                                 start_new_session=True, close_fds=True)
     except BaseException:
         os.close(write_fd)
         raise
     finally:
         os.close(read_fd)
-    return Leash(proc, write_fd, pgid, str(t))
+    return proc, write_fd
 
 
 def _ask_local(pgid: int, ask: bytes, timeout_s: float) -> tuple[str, socket.socket | None]:
@@ -292,17 +300,8 @@ def adopt(target: str | Target, pgid: int, timeout_s: float = 10.0) -> Leash | N
         if t.is_local:
             answer, sock = _ask_local(pgid, b"adopt\n", timeout_s)
             return Leash(None, None, pgid, str(t), sock=sock) if sock is not None else None
-        read_fd, write_fd = os.pipe()
-        try:
-            proc = subprocess.Popen(_remote_argv(t, ADOPT_SCRIPT, [str(pgid)], "-o", "ServerAliveInterval=15",
-                                                 "-o", "ServerAliveCountMax=4"),
-                                    stdin=read_fd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    start_new_session=True, close_fds=True)
-        except BaseException:
-            os.close(write_fd)
-            raise
-        finally:
-            os.close(read_fd)
+        proc, write_fd = _start_held(_remote_argv(t, ADOPT_SCRIPT, [str(pgid)], "-o", "ServerAliveInterval=15",
+                                                  "-o", "ServerAliveCountMax=4"), subprocess.PIPE)
         held = Leash(proc, write_fd, pgid, str(t))
         assert proc.stdout is not None
         ready = select.select([proc.stdout], [], [], timeout_s + 20)[0]

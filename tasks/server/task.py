@@ -93,19 +93,25 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
              f"- url: `{handle.url}` (this run's server: stopped when the run ends)",
              f"- pid {handle.pid}, log `{handle.log_path}`",
              f"- attempts ({len(report.attempts)}): {report.summary()}"]
-    artifact = markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
-                        description=f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
-                                    f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
-                                    + (f" ({relaunch})" if relaunch else ""))
-    if artifact is not None:  # kept to be rewritten should this server die (_mark_launch_died)
-        with _LAUNCH_ARTIFACTS_LOCK:
-            _LAUNCH_ARTIFACTS[(ctx.run_id, handle.pid)] = (artifact, "\n".join(lines))
+    _launch_artifact(ctx, handle.pid, lines, f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
+                                             f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
+                                             + (f" ({relaunch})" if relaunch else ""))
     logger.info("server up on %s at %s: %s (headroom %s GiB; start: %s)", ctx.host, handle.url, report.summary(),
                 headroom, start)
     if low:
         logger.warning("headroom after graph capture on %s is %s GiB, under %g GiB: a long prefill batch may run "
                        "out of memory; lower mem_fraction_static", ctx.host, headroom, LOW_HEADROOM_GIB)
     return handle
+
+
+def _launch_artifact(ctx: RunContext, pid: int, lines: list[str], description: str) -> None:
+    """Publish a server's launch artifact, kept to be rewritten should that server die
+    (_mark_launch_died)."""
+    artifact = markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", ctx.cfg.name, ctx.host),
+                        description=description)
+    if artifact is not None:
+        with _LAUNCH_ARTIFACTS_LOCK:
+            _LAUNCH_ARTIFACTS[(ctx.run_id, pid)] = (artifact, "\n".join(lines))
 
 
 def _start_source(report: LaunchReport) -> str:
@@ -149,12 +155,8 @@ def adopt_server(ctx: RunContext, *, pid: int, started: float | None, port: int,
              f"- relaunch budget: 0 of {cfg.max_relaunches} used",
              f"- url: `{handle.url}` (this run's server now: stopped when the run ends)",
              f"- pid {pid}, log `{log_path}`"]
-    artifact = markdown("\n".join(lines) + "\n", key=artifact_key("server-launch", cfg.name, ctx.host),
-                        description=f"OK: adopted the server of run {from_run} on {ctx.host} {gpu_label(ctx.gpus)} "
-                                    f"(pid {pid}, fraction {fraction})")
-    if artifact is not None:
-        with _LAUNCH_ARTIFACTS_LOCK:
-            _LAUNCH_ARTIFACTS[(ctx.run_id, handle.pid)] = (artifact, "\n".join(lines))
+    _launch_artifact(ctx, pid, lines, f"OK: adopted the server of run {from_run} on {ctx.host} "
+                                      f"{gpu_label(ctx.gpus)} (pid {pid}, fraction {fraction})")
     get_run_logger().info("server on %s adopted: pid %s of dead run %s at %s (fraction %s); no hygiene, no launch",
                           ctx.host, pid, from_run, handle.url, fraction)
     return handle

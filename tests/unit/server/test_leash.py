@@ -10,8 +10,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tasks.procs import live_pids
-from tasks.server._leash import leash
+from tasks.server._leash import adopt, guardian_state, leash, leash_socket
 from tests.support.common import TrackedPids, kill_trees, past_start_tick, start_on_pid
 
 # A stand-in for a launched server: a leader in its own session with a child, both sleeping; with
@@ -31,11 +33,11 @@ SERVER = textwrap.dedent("""
 # The run: launches the server, leashes it, reports the pids, then waits to be killed.
 CONTROLLER = textwrap.dedent("""
     import subprocess, sys, time
-    from tasks.server._leash import leash
+    from tasks.server._leash import adopt, guardian_state, leash, leash_socket
     server = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE,
                               start_new_session=True, text=True)
     leader, child = server.stdout.readline().split()
-    guard = leash("local", server.pid, grace_s=float(sys.argv[3]))
+    guard = leash("local", server.pid, grace_s=float(sys.argv[3]), keep_s=float(sys.argv[4]))
     print(leader, child, guard.pid, flush=True)
     time.sleep(600)
 """)
@@ -50,8 +52,9 @@ def _gone(pids: list[int], within_s: float) -> bool:
     return True
 
 
-def _controller(mode: str, grace_s: float) -> tuple[subprocess.Popen[str], list[int]]:
-    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER, SERVER, mode, str(grace_s)], stdout=subprocess.PIPE,
+def _controller(mode: str, grace_s: float, keep_s: float = 0.0) -> tuple[subprocess.Popen[str], list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER, SERVER, mode, str(grace_s), str(keep_s)],
+                            stdout=subprocess.PIPE,
                             text=True, cwd=Path(__file__).resolve().parents[3], start_new_session=True)
     assert proc.stdout is not None
     return proc, [int(p) for p in proc.stdout.readline().split()]
@@ -144,3 +147,49 @@ def test_a_leash_never_signals_a_group_id_the_kernel_gave_to_another_process() -
         if stranger is not None:
             stranger.kill()
             stranger.wait(5)
+
+
+@pytest.mark.slow  # about 15 s: a grace, held past it, then the grace again
+def test_a_dead_owners_server_waits_out_its_grace_and_a_new_owner_keeps_it() -> None:
+    proc, (leader, child, guardian) = _controller("drain", grace_s=4.0, keep_s=3.0)
+    tracked = _track([leader, child, guardian])
+    try:
+        deadline = time.monotonic() + 5  # the guardian listens once it has started
+        while guardian_state("local", leader) != "owned":
+            assert time.monotonic() < deadline, guardian_state("local", leader)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while not guardian_state("local", leader).startswith("waiting "):
+            assert time.monotonic() < deadline, guardian_state("local", leader)
+            time.sleep(0.05)
+        held = adopt("local", leader)
+        assert held is not None and guardian_state("local", leader) == "owned"
+        assert adopt("local", leader) is None  # one owner at a time
+        time.sleep(4.0)  # past the grace: owned, so kept
+        assert live_pids([leader, child]) == [leader, child]
+        held.release()  # the new owner lets go (or dies): the grace starts again, then the group ends
+        assert guardian_state("local", leader).startswith("waiting ")
+        assert live_pids([leader, child]) == [leader, child]
+        assert _gone([leader, child], within_s=3.0 + 5.0)
+        assert _gone([guardian], within_s=3.0)
+        assert guardian_state("local", leader).startswith("none") and not Path(leash_socket(leader)).exists()
+    finally:
+        _reap(tracked)
+        _close(proc)
+
+
+def test_without_a_grace_nothing_listens_and_nothing_can_be_adopted() -> None:
+    proc, (leader, child, guardian) = _controller("drain", grace_s=4.0)
+    tracked = _track([leader, child, guardian])
+    try:
+        assert guardian_state("local", leader).startswith("none")
+        assert adopt("local", leader) is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _gone([leader, child], within_s=3.0)
+        assert _gone([guardian], within_s=3.0)
+    finally:
+        _reap(tracked)
+        _close(proc)
