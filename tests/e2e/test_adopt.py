@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from emulator.simgpu import ENV_VAR, SimGpus
@@ -83,6 +85,12 @@ def test_a_rerun_within_the_grace_adopts_the_server_and_launches_nothing(
     assert [s["state"] for s in recs[run_id]["servers"]] == ["adopted"]
     (new_id,) = [k for k in recs if k != run_id]
     assert [(s["pid"], s["state"]) for s in recs[new_id]["servers"]] == [(server_pid, "stopped")]
+    # the launch artifact says so (what the UI shows on the run's Artifacts tab)
+    body = {"artifacts": {"flow_run_id": {"any_": [new_id]}, "key": {"like_": "server-launch"}}}
+    arts = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json=body, timeout=30).raise_for_status().json()
+    (art,) = arts
+    assert art["description"].startswith(f"OK: adopted the server of run {run_id} on {socket.gethostname()} "), art
+    assert f"(pid {server_pid}, fraction " in art["description"] and "relaunched 0 times" in art["data"], art
     assert_exactly_once(tmp_path / "out", ids)
     # the adopting run stopped it as its own: nothing left; its guardian sees the group gone (it looks
     # every second) and leaves with its socket
