@@ -345,7 +345,7 @@ def _bring_up(server: _Server, why: str) -> None:
             phase = f"relaunch-{server.relaunches}"
         hygiene(ctx, phase)
         server.handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
-                                               on_started=_record_started(server))
+                                      on_started=_record_started(server))
         server.unowned = None  # the handle owns it now
         _record_ready(server)
     health_check(ctx, server.endpoint)
@@ -362,12 +362,11 @@ def _record_ready(server: _Server) -> None:
 
 
 def _server_port(handle: ServerHandle) -> int | None:
-    """The port the server listens on, on its target (a remote server's URL is its forward's local end)."""
-    for i, arg in enumerate(handle.command):
-        if arg == "--port" and i + 1 < len(handle.command):
-            return int(handle.command[i + 1])
-        if arg.startswith("--port="):
-            return int(arg.split("=", 1)[1])
+    """The port the server listens on, on its target (a remote server's URL is its forward's local end):
+    the ``--port N`` its command was built with (tasks.server.build_command)."""
+    for flag, value in zip(handle.command, handle.command[1:], strict=False):
+        if flag == "--port":
+            return int(value)
     return None
 
 

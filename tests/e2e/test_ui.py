@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.variables import Variable
 
@@ -35,9 +34,9 @@ from tasks.server import FractionMemory, PrefectStore, ServerConfig, memory_key,
 from tests.support.browser import SHOTS_ENV, Page
 from tests.support.common import free_port, pid_alive
 from tests.support.paths import REPO_ROOT
-from tests.support.prefect import PrefectApi, migrated_home
+from tests.support.prefect import PrefectApi, datagen_up, up_env
 from tests.support.runs import partition
-from tests.support.webhook import Hook
+from tests.support.webhook import Hook, save_block
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -47,30 +46,16 @@ SUMMARY_KEY_PREFIX = "run-summary"  # the run-summary artifact of every finished
 SHOTS = bool(os.environ.get(SHOTS_ENV))
 
 
-def _up(env: dict[str, str], *args: str) -> str:
-    up = subprocess.run([DATAGEN, "up", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
-    assert up.returncode == 0, up.stdout + up.stderr
-    return up.stdout
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`datagen up` with DATAGEN_PREFECT_PORT set to a free port, no PREFECT_API_URL in the shell."""
     base = tmp_path_factory.mktemp("ui")
     port = free_port()
-    # the home pre-migrated: `up`'s server starts without running every migration first (the first
-    # start on an empty home: tests/e2e/test_readme_production.py)
-    env = dict(os.environ, PREFECT_HOME=str(migrated_home(base / "prefect")), DATAGEN_PREFECT_PORT=str(port),
-               DATAGEN_HOME=str(REPO_ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    for name in ("PREFECT_API_URL", "DATAGEN_SIM_GPUS", "DATAGEN_NOTIFY_BLOCK", "DATAGEN_SCHEDULE"):
-        env.pop(name, None)
+    env = up_env(base, port)
     api_url = f"http://127.0.0.1:{port}/api"
     api = PrefectApi(api_url)
     try:
-        out = _up(env)
+        out = datagen_up(env)
         yield {"env": env, "base": base, "port": port, "api_url": api_url, "api": api, "up": out}
     finally:
         api.http.close()
@@ -86,10 +71,7 @@ def hook(stack: dict[str, Any]) -> Iterator[Hook]:
     """A webhook notification block (``custom-webhook/datagen-ui-test``) posting to a loopback endpoint."""
     hook = Hook()
     try:
-        with temporary_settings({PREFECT_API_URL: stack["api_url"]}):
-            CustomWebhookNotificationBlock(
-                name="datagen-ui-test", url=hook.url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
-            ).save(BLOCK.split("/")[1], overwrite=True)
+        save_block(stack["api_url"], BLOCK.split("/")[1], hook.url)
         yield hook
     finally:
         hook.close()
@@ -160,7 +142,7 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     and one run per story (test_prefect.py runs the recovery paths the UI does not show)."""
     api: PrefectApi = stack["api"]
     if [a["type"] for a in _automations(api)[0]["actions"]] != ["send-notification"]:
-        _up(stack["env"], "--no-worker", "--notify", BLOCK)
+        datagen_up(stack["env"], "--no-worker", "--notify", BLOCK)
     base: Path = stack["base"]
     ids: dict[str, str] = {}
     ids["failed"] = api.run("datagen/demo", partition=str(_partition(base / "failed", [], max_new_tokens=8)))
@@ -225,12 +207,12 @@ def test_plain_up_leaves_the_nightly_off_and_a_do_nothing_automation(stack: dict
 def test_up_again_turns_on_only_what_was_asked_and_updates_in_place(stack: dict[str, Any], hook: Hook) -> None:
     api: PrefectApi = stack["api"]
     (first,) = _automations(api)
-    out = _up(stack["env"], "--no-worker", "--schedule", "--notify", BLOCK)
+    out = datagen_up(stack["env"], "--no-worker", "--schedule", "--notify", BLOCK)
     assert "schedules active: datagen/all 0 2 * * * UTC" in out
     assert _schedules(api)["all"] == [True] and _schedules(api)["demo"] == []
     (auto,) = _automations(api)
     assert auto["id"] == first["id"] and [a["type"] for a in auto["actions"]] == ["send-notification"]
-    _up(stack["env"], "--no-worker")  # neither flag: as the server had them
+    datagen_up(stack["env"], "--no-worker")  # neither flag: as the server had them
     assert _schedules(api)["all"] == [True]
     (auto,) = _automations(api)
     assert auto["id"] == first["id"] and [a["type"] for a in auto["actions"]] == ["send-notification"]

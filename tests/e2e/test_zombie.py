@@ -11,7 +11,6 @@ with every row exactly once. Its own Prefect server on a spare port, stopped by 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -24,15 +23,12 @@ from typing import Any
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from prefect.blocks.notifications import CustomWebhookNotificationBlock
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.heartbeats import CRASH_MESSAGE_START
 from tests.support.common import free_port, pid_alive
-from tests.support.paths import REPO_ROOT
-from tests.support.prefect import PrefectApi, migrated_home
+from tests.support.prefect import PrefectApi, datagen_up, up_env
 from tests.support.runs import partition
-from tests.support.webhook import Hook
+from tests.support.webhook import Hook, save_block
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -40,35 +36,19 @@ BLOCK = "custom-webhook/datagen-zombie-test"
 CRASH_AFTER_S = 60  # the least the bound may be with Prefect's 30 s heartbeats
 
 
-def _up(env: dict[str, str], *args: str) -> str:
-    up = subprocess.run([DATAGEN, "up", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
-    assert up.returncode == 0, up.stdout + up.stderr
-    return up.stdout
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("zombie")
     port = free_port()
-    env = dict(os.environ, PREFECT_HOME=str(migrated_home(base / "prefect")), DATAGEN_PREFECT_PORT=str(port),
-               DATAGEN_HOME=str(REPO_ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
-               DATAGEN_CRASH_AFTER_S=str(CRASH_AFTER_S), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    for name in ("PREFECT_API_URL", "DATAGEN_SIM_GPUS", "DATAGEN_NOTIFY_BLOCK", "DATAGEN_SCHEDULE",
-                 "DATAGEN_HEARTBEAT_S", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"):
-        env.pop(name, None)
+    env = up_env(base, port, DATAGEN_CRASH_AFTER_S=str(CRASH_AFTER_S))
     api_url = f"http://127.0.0.1:{port}/api"
     api = PrefectApi(api_url)
     hook = Hook()
     try:
-        out = _up(env)
+        out = datagen_up(env)
         assert f"marks a datagen deployment run Crashed {CRASH_AFTER_S} s after its last heartbeat" in out, out
         assert "flow-run heartbeats every 30 s" in out, out
-        with temporary_settings({PREFECT_API_URL: api_url}):
-            CustomWebhookNotificationBlock(
-                name=BLOCK.split("/")[1], url=hook.url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
-            ).save(BLOCK.split("/")[1], overwrite=True)
+        save_block(api_url, BLOCK.split("/")[1], hook.url)
         yield {"env": env, "base": base, "api_url": api_url, "api": api, "hook": hook}
     finally:
         hook.close()
@@ -132,7 +112,7 @@ def test_killed_worker_tree_is_crashed_by_heartbeats_and_the_next_run_completes(
     assert api.state(run)["type"] == "RUNNING"  # Prefect alone would leave it so
 
     # The worker comes back; `up` also points the failure automation at the webhook.
-    again = _up(env, "--notify", BLOCK)
+    again = datagen_up(env, "--notify", BLOCK)
     # unchanged, so the server keeps the clock it started at the run's last heartbeat (an update would
     # give the trigger a new id, and the killed run would stay Running)
     assert "zombie automation 'datagen: crash runs whose heartbeats stopped': unchanged" in again, again

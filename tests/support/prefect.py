@@ -29,6 +29,7 @@ import pytest
 
 from datagen.cmd_up import _stop
 from tests.support.common import free_port, scaled
+from tests.support.paths import REPO_ROOT
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -231,3 +232,35 @@ def _stop_shared_server() -> Iterator[None]:
 def prefect_server() -> PrefectServer:
     """The session's server (``shared_server``)."""
     return shared_server()
+
+
+# --- `datagen up` on a spare port (tests/e2e/test_ui.py, test_zombie.py) --------------------------------
+
+DATAGEN_BIN = str(Path(sys.executable).parent / "datagen")
+# Settings of the caller's shell that would point `up` elsewhere or change what it keeps.
+UP_UNSET = ("PREFECT_API_URL", "DATAGEN_SIM_GPUS", "DATAGEN_NOTIFY_BLOCK", "DATAGEN_SCHEDULE", "DATAGEN_HEARTBEAT_S",
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
+
+
+def up_env(base: Path, port: int, **extra: str) -> dict[str, str]:
+    """The environment of `datagen up` with DATAGEN_PREFECT_PORT=``port`` and its Prefect home, state
+    and run folders under ``base`` (the home pre-migrated: `up`'s server starts without running every
+    migration first; an empty home's first start: tests/e2e/test_readme_production.py), workers that
+    ask for runs every second, no PREFECT_API_URL; ``extra`` added."""
+    env = dict(os.environ, PREFECT_HOME=str(migrated_home(base / "prefect")), DATAGEN_PREFECT_PORT=str(port),
+               DATAGEN_HOME=str(REPO_ROOT), DATAGEN_STATE_DIR=str(base / "state"), DATAGEN_RUN_DIR=str(base / "run"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for name in UP_UNSET:
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def datagen_up(env: dict[str, str], *args: str) -> str:
+    """`datagen up ARGS` in ``env``; its output (it must exit 0)."""
+    up = subprocess.run([DATAGEN_BIN, "up", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=240)
+    assert up.returncode == 0, up.stdout + up.stderr
+    return up.stdout

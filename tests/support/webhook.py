@@ -48,3 +48,15 @@ class Hook:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def save_block(api_url: str, name: str, url: str) -> None:
+    """A Prefect custom-webhook notification block ``name`` on the server at ``api_url`` that posts
+    ``{"subject", "body"}`` to ``url`` (a :class:`Hook`)."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock  # after the test set PREFECT_*
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        CustomWebhookNotificationBlock(
+            name=name, url=url, json_data={"subject": "{{subject}}", "body": "{{body}}"},
+        ).save(name, overwrite=True)
