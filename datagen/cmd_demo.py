@@ -15,7 +15,6 @@ another demo is writing the output (as `datagen run`).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -47,8 +46,10 @@ def main(argv: list[str]) -> int:
         locked = OutputLocked(out / "_lock", holder)
         print(f"datagen demo: {failure_label(locked, 'failed')}: {locked}", file=sys.stderr)
         return exit_code_for(locked)
-    if not args.resume and (out / "_manifest.json").exists():
-        shutil.rmtree(out)  # only ever a previous demo output (it has a datagen manifest)
+    if not args.resume and OutputDir(out).read_file("_manifest.json") is not None:
+        # only ever a previous demo output (it has a datagen manifest); rmtree walks by handle
+        # (shutil.rmtree.avoids_symlink_attacks): a link inside is removed, never followed
+        shutil.rmtree(out)
     t0 = time.monotonic()
     print(f"datagen demo: {len(cfg.datasets)} datasets -> {out} (emulator, simulated GPUs)", flush=True)
     code, result = run_flow("demo", Overrides(out=str(out), backend="emulator"))
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"datagen demo: {failure_label(result, 'failed')}: {result}", file=sys.stderr)
         print(f"elapsed: {elapsed:.1f} s", file=sys.stderr)
         return code
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = OutputDir(out).read_manifest() or {"datasets": {}}
     print()
     print(f"Parquet: {out}/<dataset>/shard-*.parquet")
     for name, ds in sorted(manifest.get("datasets", {}).items()):

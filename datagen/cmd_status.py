@@ -46,10 +46,12 @@ def status(out: Path) -> dict[str, Any]:
         NotADirectoryError: ``out`` is a file.
         ManifestError: the manifest is not one.
     """
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out} is a file, not an output directory: give the directory that holds "
-                                 "_manifest.json")
     od = OutputDir(out)
+    try:
+        od.open_root()
+    except OSError:  # tasks.files says it is not a directory
+        raise NotADirectoryError(f"{out} is a file, not an output directory: give the directory that holds "
+                                 "_manifest.json") from None
     manifest = od.read_manifest()
     if manifest is None:
         raise FileNotFoundError(f"{out}: no _manifest.json (not a datagen output, or nothing committed yet)")
@@ -123,11 +125,11 @@ def end_stale(url: str, runs: list[dict[str, Any]]) -> list[str]:
 def _validation(out: Path, datasets: dict[str, Any]) -> dict[str, Any] | None:
     """The last report's verdict, and whether it still describes the output: it is stale when the
     output's rows changed since, and says nothing final while a dataset is unfinished."""
-    vpath = out / "_validation.json"
-    if not vpath.exists():
-        return None
     try:
-        doc = json.loads(vpath.read_text())
+        data = OutputDir(out).read_file("_validation.json")
+        if data is None:
+            return None
+        doc = json.loads(data)
     except (OSError, ValueError):
         return {"verdict": "unreadable"}
     if not isinstance(doc, dict):

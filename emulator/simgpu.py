@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.files import atomic_write_json
+from tasks.files import atomic_write_json, open_for_write, read_nofollow
 from tasks.procs import ProcessIdentity, process_started, same_process
 
 ENV_VAR = "DATAGEN_SIM_GPUS"
@@ -140,7 +140,9 @@ class SimGpus:
     # ----------------------------------------------------------------- low level
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        # O_NOFOLLOW, relative to the directory's handle: a lock planted as a link is refused, no file
+        # is created through it
+        fd = open_for_write(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -150,8 +152,7 @@ class SimGpus:
 
     def _read(self) -> dict[str, Any]:
         try:
-            with open(self.path, "rb") as f:
-                state = json.loads(f.read())
+            state = json.loads(read_nofollow(self.path))
         except FileNotFoundError:
             raise SimGpuError(
                 f"simulated-GPU state file {self.path} does not exist: run `datagen gpu-sim init`"

@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tasks.files import atomic_write_bytes
 from tasks.schema import COLUMN_DOCS, ROW_SCHEMA
 from tasks.shards import OutputDir
 from tasks.validation import Check, md_text, measured
@@ -93,25 +92,26 @@ def _public(value: str) -> str:
     return Path(value).name or value if value.startswith("/") else value
 
 
-def _shard_files(out: Path, name: str, entry: Mapping[str, Any]) -> list[Path]:
-    files = []
-    for key in sorted((entry.get("shards") or {}), key=int):
-        info = entry["shards"][key]
-        files.append(out / str(info.get("file") or f"{name}/shard-{int(key):05d}.parquet"))
-    return files
+def _shard_files(name: str, entry: Mapping[str, Any]) -> list[str]:
+    """The dataset's committed shard files, as the manifest names them (``<dataset>/shard-NNNNN.parquet``)."""
+    return [str(entry["shards"][key].get("file") or f"{name}/shard-{int(key):05d}.parquet")
+            for key in sorted((entry.get("shards") or {}), key=int)]
 
 
-def _values(files: Iterable[Path]) -> tuple[dict[str, Counter[str]], Counter[str], int]:
-    """Distinct values (with row counts) of the provenance columns, rows per finish_reason, and the
-    shards' uncompressed data bytes (Parquet row-group sizes: a split's ``num_bytes``)."""
+def _values(out: OutputDir, files: Iterable[str]) -> tuple[dict[str, Counter[str]], Counter[str], int, int]:
+    """Distinct values (with row counts) of the provenance columns, rows per finish_reason, the
+    shards' uncompressed data bytes (Parquet row-group sizes: a split's ``num_bytes``) and their
+    files' bytes (read through the output's handles)."""
     values: dict[str, Counter[str]] = {c: Counter() for c in _PROVENANCE}
     finish: Counter[str] = Counter()
-    size = 0
-    for path in files:
+    size = stored = 0
+    for file in files:
         try:
-            pf = pq.ParquetFile(path)
+            data = out.read_shard(file)
+            pf = pq.ParquetFile(pa.BufferReader(data))
         except (OSError, pa.ArrowException):
             continue
+        stored += len(data)
         meta = pf.metadata
         size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
         names = set(pf.schema_arrow.names)
@@ -122,12 +122,12 @@ def _values(files: Iterable[Path]) -> tuple[dict[str, Counter[str]], Counter[str
             counter = finish if c == "finish_reason" else values[c]
             for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True):
                 counter["null" if v is None else str(v)] += int(n)
-    return values, finish, size
+    return values, finish, size, stored
 
 
 def _report(out: Path) -> dict[str, Any]:
     try:
-        doc = json.loads((out / "_validation.json").read_text())
+        doc = json.loads(OutputDir(out).read_file("_validation.json") or b"")
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) and doc.get("kind") == "output" else {}
@@ -155,7 +155,7 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
     served: Counter[str] = Counter()  # rows by who started their server: datagen, or someone else
     for i, name in enumerate(sorted(datasets)):
         entry = datasets[name]
-        files = _shard_files(out, name, entry)
+        files = _shard_files(name, entry)
         shards = entry.get("shards") or {}
         rows = sum(int(s.get("rows") or 0) for s in shards.values())
         rejects = sum(int(s.get("rejects") or 0) for s in shards.values())
@@ -164,11 +164,11 @@ def card_text(out_dir: str | os.PathLike[str], manifest: Mapping[str, Any], repo
         if i == 0:
             config["default"] = True
         configs.append(config)
-        values, finish, size = _values(files)
+        values, finish, size, stored = _values(OutputDir(out), files)
         # the `datasets` form of a split: name, bytes (uncompressed) and examples, else it warns
         infos.append({"config_name": name, "features": hf_features(),
                       "splits": [{"name": _SPLIT, "num_bytes": size, "num_examples": rows}],
-                      "download_size": sum(p.stat().st_size for p in files if p.is_file()),
+                      "download_size": stored,
                       "dataset_size": size})
         verdict = (verdicts.get(name) or {}).get("verdict", "not validated")
         table_rows.append(f"| `{name}` | {rows:,} | {rejects:,} | {len(shards)} of {entry.get('num_shards', '?')} | "
@@ -291,8 +291,7 @@ def write_card(out_dir: str | os.PathLike[str], report: Mapping[str, Any] | None
         OSError: the manifest is unreadable or the card cannot be written.
         ValueError: the manifest is not JSON.
     """
-    out = Path(out_dir)
-    manifest = OutputDir(out).read_manifest() or {"datasets": {}}
-    path = out / CARD_NAME
-    atomic_write_bytes(path, card_text(out, manifest, report, title=title).encode("utf-8"))
-    return path
+    out = OutputDir(out_dir)
+    manifest = out.read_manifest() or {"datasets": {}}
+    out.write_file(CARD_NAME, card_text(out.path, manifest, report, title=title).encode("utf-8"))
+    return out.path / CARD_NAME

@@ -101,7 +101,7 @@ def assistant_text(reasoning: str | None, content: str, parser: str | None) -> s
 
 def _verified_shard(out: OutputDir, rec: ShardRecord) -> bytes:
     try:
-        data = rec.path.read_bytes()
+        data = out.read_shard(rec)
     except FileNotFoundError as exc:
         raise ExportError(f"{out.path}: committed shard {rec.file} is missing") from exc
     digest = hashlib.sha256(data).hexdigest()

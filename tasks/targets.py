@@ -25,7 +25,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from tasks.errors import DatagenError
-from tasks.files import open_for_write
+from tasks.files import open_below
 
 __all__ = [
     "host_of",
@@ -401,8 +401,10 @@ def start_detached(target: Target | str, argv: list[str], log_path: str,
     if not argv:
         raise ValueError("empty command")
     if target.is_local:
-        # handed to the child, closed below; O_NOFOLLOW: a log planted as a symlink is refused
-        log: IO[bytes] = os.fdopen(open_for_write(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
+        # handed to the child, closed below; through the log directory's handle, O_NOFOLLOW: a log or
+        # log directory planted as a symlink is refused
+        log: IO[bytes] = os.fdopen(open_below(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, create_dir=True),
+                                   "ab")
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, env={**os.environ, **(env or {})})

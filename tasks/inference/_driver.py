@@ -301,7 +301,7 @@ def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, datas
     result.complete = bool(entry.get("complete"))
     if result.complete:
         with contextlib.suppress(OSError):  # an empty journal folder is noise in a finished output
-            out.journal_path(dataset, 0).parent.rmdir()
+            out.remove_journal_dir(dataset)
     if entry.get("num_shards") is not None:
         result.shards_total = int(entry["num_shards"])
 

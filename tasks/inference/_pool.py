@@ -152,8 +152,8 @@ class InferencePool:
     def _open(self, index: int) -> _OpenShard:
         shard = self.shards.get(index)
         if shard is None:
-            path = self.out.journal_path(self.spec.name, index)
-            shard = _OpenShard(index, self.out.journal(self.spec.name, index), Journal.read(path))
+            shard = _OpenShard(index, self.out.journal(self.spec.name, index),
+                               self.out.read_journal(self.spec.name, index))
             self.shards[index] = shard
         return shard
 
@@ -172,13 +172,13 @@ class InferencePool:
         # The journal's rows as one Arrow table, built once: read without the per-row storability
         # check, and again with it only when the build fails (a line an older run left that the
         # schema cannot hold: the checked read skips it, and a later good copy of its row counts).
-        contents = Journal.read(shard.journal.path, check_rows=False)
+        contents = shard.journal.contents(check_rows=False)
         lo, hi = shard.index * self.shard_size, (shard.index + 1) * self.shard_size
         try:
             rows = self._shard_rows(contents, lo, hi)
             table = rows_to_table(rows)
         except (KeyError, TypeError, ValueError, pa.ArrowException):
-            contents = Journal.read(shard.journal.path)
+            contents = shard.journal.contents()
             rows = self._shard_rows(contents, lo, hi)
             table = rows_to_table(rows)
         rejects = [public_reject(r) for (p, _), r in sorted(contents.rejects.items()) if lo <= p < hi]

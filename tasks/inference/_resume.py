@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import pyarrow.parquet as pq
 
-from tasks.shards import InputChanged, Journal, OutputDir
+from tasks.shards import InputChanged, OutputDir
 
 __all__ = ["check_resume"]
 
@@ -105,7 +105,8 @@ def _newest_shard_row(out: OutputDir, dataset: str) -> dict[str, Any] | None:
     records = sorted(out.committed_shards(dataset), key=lambda r: (r.committed_at, r.index))
     for rec in reversed(records):
         if rec.rows:
-            table = pq.read_table(rec.path, columns=["sampling", "reasoning_parser"]).slice(0, 1)
+            with out.shard_reader(rec) as f:
+                table = pq.read_table(f, columns=["sampling", "reasoning_parser"]).slice(0, 1)
             return table.to_pylist()[0]
     return None
 
@@ -116,7 +117,7 @@ def _journaled_row(out: OutputDir, dataset: str) -> dict[str, Any] | None:
     for index in out.open_journals(dataset):
         if index in committed:
             continue
-        contents = Journal.read(out.journal_path(dataset, index))
+        contents = out.read_journal(dataset, index)
         if contents.rows:
             return next(iter(contents.rows.values()))
     return None

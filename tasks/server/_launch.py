@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from tasks import http
-from tasks.files import open_for_write
+from tasks.files import open_below
 from tasks.hygiene import clean_gpus
 from tasks.procs import ProcessIdentity, group_pids, live_pids, same_process, terminate_group
 from tasks.server import _remote as server_remote
@@ -157,7 +157,7 @@ class ServerHandle:
         if self.is_remote:
             return server_remote.read_log(self.target, self.log_path, max_bytes)
         try:
-            with open(self.log_path, "rb") as f:
+            with os.fdopen(open_below(self.log_path, os.O_RDONLY), "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - max_bytes))
                 return f.read().decode("utf-8", "replace")
@@ -337,13 +337,13 @@ def _tell_started(on_started: Callable[[int, int], None] | None, pid: int, pgid:
 
 
 def _start_local(cfg: ServerConfig, fraction: float | None, log_dir: Path, shown: list[str]) -> ServerHandle:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / log_file_name(cfg, fraction)
+    log_path = Path(log_dir) / log_file_name(cfg, fraction)
     if bind_refused(cfg.host, cfg.port):
         # Never start next to a live listener: its /health_generate 200 would look like ours.
         _refuse_taken_port(cfg, listeners_on("local", cfg.host, cfg.port), str(log_path), shown, fraction)
-    # O_NOFOLLOW: a log planted as a symlink is refused, never appended through
-    with os.fdopen(open_for_write(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as logf:
+    # through the log directory's handle, O_NOFOLLOW: a log or log directory planted as a symlink is
+    # refused, never written through
+    with os.fdopen(open_below(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, create_dir=True), "ab") as logf:
         logf.write(f"# datagen launch: {shlex.join(shown)}\n".encode())
         logf.flush()
         popen = subprocess.Popen(
@@ -456,7 +456,7 @@ def _read_log_from(handle: ServerHandle, offset: int) -> tuple[str, int]:
         text = handle.read_log()
         return text[offset:], len(text)
     try:
-        with open(handle.log_path, "rb") as f:
+        with os.fdopen(open_below(handle.log_path, os.O_RDONLY), "rb") as f:
             f.seek(offset)
             data = f.read()
     except OSError:

@@ -10,17 +10,16 @@ import contextlib
 import datetime as dt
 import hashlib
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.files import append_durable, atomic_write_bytes
+from tasks.files import Dir
 from tasks.schema import ADDED_DEFAULTS, PARQUET_COMPRESSION, ROW_SCHEMA, added_value
 
-__all__ = ["append_rejects", "read_rejects", "reject_units", "rows_to_table", "write_parquet"]
+__all__ = ["append_rejects", "parquet_bytes", "read_rejects", "reject_units", "rows_to_table", "write_parquet"]
 
 _NULLABLE = {f.name: f.nullable for f in ROW_SCHEMA}
 
@@ -56,46 +55,48 @@ def _parse_ts(value: Any) -> Any:
     return value
 
 
-def write_parquet(final: Path, table: pa.Table) -> str:
-    """Write ``table`` (cast to ROW_SCHEMA) to ``final`` atomically; returns the file's sha256.
-
-    Args:
-        final: the shard's path; its directory is created when missing.
-        table: the rows.
+def parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` (cast to ROW_SCHEMA) as the bytes of a shard file.
 
     Raises:
-        OSError: the file cannot be written (``final`` keeps its old content).
         pyarrow.ArrowInvalid: the table cannot be cast to ROW_SCHEMA.
     """
     if table.schema != ROW_SCHEMA:
         table = table.select(list(ROW_SCHEMA.names)).cast(ROW_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression=PARQUET_COMPRESSION)
-    data = sink.getvalue().to_pybytes()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(final, data)
+    return sink.getvalue().to_pybytes()
+
+
+def write_parquet(directory: Dir, name: str, table: pa.Table) -> str:
+    """Write ``table`` (cast to ROW_SCHEMA) to file ``name`` of ``directory`` atomically; returns the
+    file's sha256.
+
+    Raises:
+        OSError: the file cannot be written (it keeps its old content).
+        pyarrow.ArrowInvalid: the table cannot be cast to ROW_SCHEMA.
+    """
+    data = parquet_bytes(table)
+    directory.write_bytes(name, data)
     return hashlib.sha256(data).hexdigest()
 
 
-def append_rejects(path: Path, index: int, rejects: list[dict[str, Any]]) -> None:
-    """Append ``rejects`` to the dataset's reject file, tagged with shard ``index``, and fsync.
-
-    Args:
-        path: the dataset's reject file (``_rejects/<dataset>.jsonl``).
-        index: the shard the rejects belong to.
-        rejects: the reject records.
+def append_rejects(directory: Dir, name: str, index: int, rejects: list[dict[str, Any]]) -> None:
+    """Append ``rejects`` to the dataset's reject file ``name`` in ``directory`` (``OUT/_rejects``), tagged
+    with shard ``index``, and fsync.
 
     Raises:
         OSError: the file cannot be written.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    append_durable(path, b"".join(orjson.dumps({**r, "shard": index}) + b"\n" for r in rejects))
+    directory.append(name, b"".join(orjson.dumps({**r, "shard": index}) + b"\n" for r in rejects))
 
 
-def read_rejects(path: Path) -> list[dict[str, Any]]:
-    """The reject records in ``path`` (none when missing; torn lines skipped)."""
+def read_rejects(directory: Dir | None, name: str) -> list[dict[str, Any]]:
+    """The reject records in ``directory/name`` (none when missing; torn lines skipped)."""
+    if directory is None:
+        return []
     try:
-        data = path.read_bytes()
+        data = directory.read_bytes(name)
     except FileNotFoundError:
         return []
     out = []

@@ -8,13 +8,13 @@ generates exactly those again; the files themselves are then cleaned up like any
 from __future__ import annotations
 
 import hashlib
-import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from tasks.files import Dir
 from tasks.shards._manifest import ShardRecord, iter_shard_records
 
 __all__ = ["ShardDamage", "file_sha256", "find_damage", "uncommit"]
@@ -36,28 +36,27 @@ class ShardDamage:
         return {"dataset": self.dataset, "shard": self.index, "file": self.file, "problem": self.problem}
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 (hex) of the file at ``path``, read in chunks.
+def file_sha256(f: IO[bytes]) -> str:
+    """The sha256 (hex) of what is left to read in ``f``, read in chunks.
 
     Raises:
         OSError: the file cannot be read.
     """
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    while chunk := f.read(1 << 22):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
-def _problem(rec: ShardRecord) -> str | None:
-    try:
-        st = os.lstat(rec.path)
-    except FileNotFoundError:
+def _problem(rec: ShardRecord, shard_dir: Dir | None) -> str | None:
+    st = shard_dir.lstat(rec.name) if shard_dir is not None else None
+    if st is None:
         return "the file is missing"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     try:
-        digest = file_sha256(rec.path)
+        with shard_dir.reader(rec.name) as f:  # type: ignore[union-attr]
+            digest = file_sha256(f)
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
     if digest != rec.sha256:
@@ -65,16 +64,24 @@ def _problem(rec: ShardRecord) -> str | None:
     return None
 
 
-def find_damage(manifest: dict[str, Any] | None, root: Path, dataset: str | None = None) -> Iterator[ShardDamage]:
+def find_damage(manifest: dict[str, Any] | None, root: Path, dataset_dir: Callable[[str], Dir | None],
+                dataset: str | None = None) -> Iterator[ShardDamage]:
     """The damaged committed shards of ``dataset`` (or of every dataset), in dataset then index order.
 
     Args:
         manifest: the output's manifest (None: nothing is committed).
-        root: the output directory.
+        root: the output directory (for the messages).
+        dataset_dir: a dataset's directory, held open (None when it is missing).
         dataset: only this dataset.
+
+    Raises:
+        UnsafeFile: a dataset's directory is a symlink or not a directory.
     """
+    dirs: dict[str, Dir | None] = {}
     for rec in iter_shard_records(manifest, root, dataset):
-        problem = _problem(rec)
+        if rec.dataset not in dirs:
+            dirs[rec.dataset] = dataset_dir(rec.dataset)
+        problem = _problem(rec, dirs[rec.dataset])
         if problem is not None:
             yield ShardDamage(rec.dataset, rec.index, rec.file, problem)
 

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from tasks.files import checked_dir, fsync_dir, naming, open_for_write
+from tasks.files import Dir, naming
 from tasks.shards._commit import rows_to_table
 
 __all__ = ["JOURNAL_FSYNC_INTERVAL_S", "WHOLE_RECORD", "Journal", "JournalContents"]
@@ -67,12 +68,14 @@ class Journal:
     conversation whose row is not finished.
     """
 
-    def __init__(self, path: Path, fsync_interval_s: float = JOURNAL_FSYNC_INTERVAL_S, *,
-                 root: Path | None = None) -> None:
-        """``root``: the output directory; the journal's directories below it are checked (and created)
-        component by component on the first append, none may be a symlink."""
+    def __init__(self, directory: Callable[[], Dir], name: str, path: Path,
+                 fsync_interval_s: float = JOURNAL_FSYNC_INTERVAL_S) -> None:
+        """``directory`` gives the journal's directory inside the output, held by the output (created
+        when missing): called on the first append; ``name`` is the file in it; ``path`` names it in
+        messages."""
         self.path = path
-        self._root = root
+        self.name = name
+        self._directory = directory
         self._fsync_interval_s = fsync_interval_s
         self._fd: int | None = None
         self._last_sync = time.monotonic()
@@ -80,16 +83,13 @@ class Journal:
 
     def _open(self) -> int:
         if self._fd is None:
-            if self._root is not None:
-                checked_dir(self._root, self.path.parent, create=True)
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            existed = os.path.lexists(self.path)
-            self._fd = open_for_write(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+            d = self._directory()
+            existed = d.exists(self.name)
+            self._fd = d.open_file(self.name, os.O_RDWR | os.O_CREAT | os.O_APPEND)
             if existed:
                 self._heal_torn_tail(self._fd)
             else:
-                fsync_dir(self.path.parent)
+                d.fsync()
         return self._fd
 
     @staticmethod
@@ -135,10 +135,22 @@ class Journal:
             os.close(self._fd)
             self._fd = None
 
+    def contents(self, *, check_rows: bool = True) -> JournalContents:
+        """What the journal holds now (``parse``), read through its open file or its directory."""
+        if self._fd is not None:
+            size = os.fstat(self._fd).st_size
+            data = os.pread(self._fd, size, 0) if size else b""
+        else:
+            try:
+                data = self._directory().read_bytes(self.name)
+            except FileNotFoundError:
+                data = b""
+        return self.parse(data, check_rows=check_rows)
+
     @staticmethod
-    def read(path: Path, *, check_rows: bool = True) -> JournalContents:
-        """Read a journal: later duplicates drop; torn lines (not JSON) are skipped and counted, and a
-        JSON line that is not a journal record (a field of the wrong type, a row missing a column or
+    def parse(data: bytes, *, check_rows: bool = True) -> JournalContents:
+        """Parse a journal's bytes: later duplicates drop; torn lines (not JSON) are skipped and counted,
+        and a JSON line that is not a journal record (a field of the wrong type, a row missing a column or
         holding a value its column cannot store) is skipped and listed in ``bad_lines``: its unit is
         generated again instead of failing every run.
 
@@ -146,10 +158,6 @@ class Journal:
         an Arrow table of them all): for a reader that builds that table itself and reads again with
         the check when the build fails (the shard commit)."""
         out = JournalContents()
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return out
         rows: list[tuple[int, dict[str, Any]]] = []
         for number, line in enumerate(data.split(b"\n"), 1):
             if not line.strip():

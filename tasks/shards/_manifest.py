@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from tasks.files import atomic_write_bytes
+from tasks.files import Dir
 from tasks.shards._errors import InputChanged, ManifestError
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 
@@ -43,7 +43,8 @@ MANIFEST_FILE = "_manifest.json"
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """A committed shard, as the manifest records it (``file`` is relative to the output dir)."""
+    """A committed shard, as the manifest records it (``file`` is ``<dataset>/shard-NNNNN.parquet``,
+    relative to the output dir; ``path`` names it in messages, it is never opened by that name)."""
 
     dataset: str
     index: int
@@ -53,6 +54,11 @@ class ShardRecord:
     sha256: str
     committed_at: str
     path: Path = field(compare=False)
+
+    @property
+    def name(self) -> str:
+        """The file's name in its dataset's directory."""
+        return self.file.rsplit("/", 1)[-1]
 
     def to_manifest(self) -> dict[str, Any]:
         return {
@@ -67,14 +73,18 @@ class ShardRecord:
 CommittedShard = ShardRecord
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest at ``path``, checked (``check_manifest``), or None when there is none yet.
+def read_manifest(root: Dir | None, path: Path) -> dict[str, Any] | None:
+    """The manifest in the output ``root`` (``path`` names it), checked (``check_manifest``), or None when
+    there is none yet (or no output).
 
     Raises:
         ManifestError: the file is unreadable or not a manifest (names the file and the key).
+        UnsafeFile: it is a symlink or not a regular file.
     """
+    if root is None:
+        return None
     try:
-        data = path.read_bytes()
+        data = root.read_bytes(MANIFEST_FILE)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -175,14 +185,14 @@ def _check_shard(name: str, index_key: Any, rec: Any, key: str, bad: Callable[[s
             raise bad(f"{key}.{field_}", f"{rec[field_]!r} is not a timestamp")
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Stamp ``updated_at`` and replace the manifest atomically.
+def write_manifest(root: Dir, manifest: dict[str, Any]) -> None:
+    """Stamp ``updated_at`` and replace the manifest in the output ``root`` atomically.
 
     Raises:
         OSError: the manifest cannot be written (the old one stays).
     """
     manifest["updated_at"] = utc_now_iso()
-    atomic_write_bytes(path, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    root.write_bytes(MANIFEST_FILE, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
 
 
 def new_manifest(shard_size: int) -> dict[str, Any]:

@@ -14,25 +14,33 @@ before the next; ``OutputDir.recover()`` undoes what a crash between two steps l
 ``OutputDir.rebuild_dataset()`` records shard files a lost manifest no longer lists, once each is
 proven to be its input slice; ``OutputDir.repair()`` un-commits shards whose files are missing or
 changed.
+
+The output is held open as a directory handle (``tasks.files.Dir``), and so is each subdirectory the
+run uses, opened relative to its parent with ``O_NOFOLLOW``: nothing below OUT is reached by its path,
+so a directory or file swapped for a symlink at any moment is refused, never followed (see
+docs/architecture.md, "Threat model"). ``shard_path``, ``journal_path`` and ``rejects_path`` name files
+in messages only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 
-from tasks.files import checked_dir
+from tasks.files import Dir
 from tasks.shards._commit import append_rejects, read_rejects, reject_units, rows_to_table, write_parquet
 from tasks.shards._errors import DamagedShards, ManifestError, ShardsError, UnrecordedShards
 from tasks.shards._fs import check_dataset_name, shard_file_name, utc_now_iso
 from tasks.shards._integrity import ShardDamage, find_damage, uncommit
-from tasks.shards._journal import Journal
-from tasks.shards._lock import LOCK_FILE, OutputLock, held_lock, lock_holder
+from tasks.shards._journal import Journal, JournalContents
+from tasks.shards._lock import OutputLock, held_lock, lock_holder
 from tasks.shards._manifest import (
     MANIFEST_FILE,
     ShardRecord,
@@ -63,15 +71,70 @@ class OutputDir:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._root: Dir | None = None
+        self._dirs: dict[tuple[str, ...], tuple[Dir, tuple[int, int]]] = {}
 
     def __repr__(self) -> str:
         return f"OutputDir({str(self.path)!r})"
 
-    @property
-    def key(self) -> str:
-        return str(self.path.resolve())
+    # -- handles -----------------------------------------------------------------------------------
 
-    # -- paths -------------------------------------------------------------------------------------
+    def open_root(self, *, create: bool = False) -> Dir | None:
+        """The output directory, held open (the lock's handle when this process holds the lock); None
+        when it does not exist and ``create`` is not set. OUT itself is reached by its path: the user
+        chose it and its parent is trusted."""
+        if self._root is not None and self._root._fd is not None:
+            return self._root
+        try:
+            d = Dir.open(self.path, create=create)
+        except FileNotFoundError:
+            return None
+        lock = held_lock(d.key)
+        if lock is not None and lock.root is not None:
+            d.close()
+            d = lock.root
+        self._root = d
+        self._dirs.clear()
+        return d
+
+    @property
+    def root(self) -> Dir:
+        """The output directory, held open (created when missing)."""
+        root = self.open_root(create=True)
+        assert root is not None
+        return root
+
+    def _dir(self, *parts: str, create: bool = False) -> Dir | None:
+        """``OUT/<parts>`` held open, each component opened relative to its parent's handle with
+        ``O_NOFOLLOW`` (created with ``create``); None when one is missing.
+
+        A held handle is used again while its name still leads to it (one ``fstatat``); when the name
+        now leads elsewhere the directory is opened again, so a symlink put there is refused.
+
+        Raises:
+            UnsafeFile: a component is a symlink, not a directory, or another user's.
+        """
+        parent = self.open_root(create=create)
+        for i, name in enumerate(parts):
+            if parent is None:
+                return None
+            key = parts[: i + 1]
+            held = self._dirs.get(key)
+            if held is not None:
+                st = parent.lstat(name)
+                if st is None or not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != held[1]:
+                    for k in [k for k in self._dirs if k[: len(key)] == key]:
+                        del self._dirs[k]
+                    held = None
+            if held is None:
+                d = parent.sub(name, create=create)
+                if d is not None:
+                    held = (d, d.key)
+                    self._dirs[key] = held
+            parent = held[0] if held is not None else None
+        return parent
+
+    # -- paths (for messages) ----------------------------------------------------------------------
 
     @property
     def manifest_path(self) -> Path:
@@ -81,21 +144,10 @@ class OutputDir:
         return self.path / dataset / f"{shard_file_name(index)}.parquet"
 
     def journal_path(self, dataset: str, index: int) -> Path:
-        return self._journal_dir(dataset) / f"{shard_file_name(index)}.jsonl"
+        return self.path / "_journal" / dataset / f"{shard_file_name(index)}.jsonl"
 
     def rejects_path(self, dataset: str) -> Path:
         return self.path / "_rejects" / f"{dataset}.jsonl"
-
-    def _journal_dir(self, dataset: str) -> Path:
-        return self.path / "_journal" / dataset
-
-    def _dir(self, *parts: str, create: bool = False) -> Path:
-        """``OUT/<parts>``, each component checked (``tasks.files.checked_dir``); created with ``create``.
-
-        Raises:
-            UnsafeFile: a component is a symlink, not a directory, or another user's.
-        """
-        return checked_dir(self.path, self.path.joinpath(*parts), create=create)
 
     def journal(self, dataset: str, index: int) -> Journal:
         """The journal of shard ``index`` of ``dataset``; its directory is checked now and created (checked
@@ -105,7 +157,75 @@ class OutputDir:
             UnsafeFile: ``_journal`` or ``_journal/<dataset>`` is a symlink, not a directory, or another user's.
         """
         self._dir("_journal", dataset)
-        return Journal(self.journal_path(dataset, index), root=self.path)
+
+        def directory() -> Dir:
+            d = self._dir("_journal", dataset, create=True)
+            assert d is not None
+            return d
+
+        return Journal(directory, f"{shard_file_name(index)}.jsonl", self.journal_path(dataset, index))
+
+    def read_journal(self, dataset: str, index: int, *, check_rows: bool = True) -> JournalContents:
+        """What the journal of shard ``index`` of ``dataset`` holds (empty when there is none)."""
+        d = self._dir("_journal", dataset)
+        try:
+            data = d.read_bytes(f"{shard_file_name(index)}.jsonl") if d is not None else b""
+        except FileNotFoundError:
+            data = b""
+        return Journal.parse(data, check_rows=check_rows)
+
+    def remove_journal_dir(self, dataset: str) -> bool:
+        """Remove ``OUT/_journal/<dataset>`` when it is empty; whether it was removed."""
+        parent = self._dir("_journal")
+        if parent is None:
+            return False
+        self._dirs.pop(("_journal", dataset), None)
+        return parent.rmdir(dataset)
+
+    def shard_reader(self, rec: ShardRecord | str) -> IO[bytes]:
+        """A committed shard's file (a record, or the manifest's ``<dataset>/shard-NNNNN.parquet``)
+        opened for reading through its dataset's directory handle.
+
+        Raises:
+            FileNotFoundError: the file (or its directory) is missing.
+            UnsafeFile: it, or its directory, is a symlink or not a regular file.
+        """
+        dataset, name = rec.split("/", 1) if isinstance(rec, str) else (rec.dataset, rec.name)
+        d = self._dir(dataset)
+        if d is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.path / dataset / name))
+        return d.reader(name)
+
+    def read_shard(self, rec: ShardRecord | str) -> bytes:
+        """A committed shard file's bytes (see ``shard_reader``)."""
+        with self.shard_reader(rec) as f:
+            return f.read()
+
+    def read_file(self, name: str) -> bytes | None:
+        """The bytes of file ``name`` directly in OUT (``_validation.json``, ``README.md``), None when it
+        or the output is missing.
+
+        Raises:
+            UnsafeFile: it is a symlink or not a regular file.
+        """
+        root = self.open_root()
+        try:
+            return root.read_bytes(name) if root is not None else None
+        except FileNotFoundError:
+            return None
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """Replace file ``name`` directly in OUT atomically (the validation report, the card).
+
+        Raises:
+            UnsafeFile: it is a symlink, not a regular file, or another user's.
+            OSError: it cannot be written (it keeps its old content).
+        """
+        self.root.write_bytes(name, data)
+
+    def subdir(self, name: str, *, create: bool = False) -> Dir | None:
+        """``OUT/<name>`` held open (``_logs``), see ``_dir``."""
+        return self._dir(name, create=create)
 
     @staticmethod
     def check_dataset_name(dataset: str) -> None:
@@ -134,7 +254,8 @@ class OutputDir:
 
     def held_lock(self) -> OutputLock | None:
         """The lock this process holds on this output, if any."""
-        return held_lock(self.key)
+        root = self.open_root()
+        return held_lock(root.key) if root is not None else None
 
     @contextlib.contextmanager
     def ensure_locked(self, run_info: dict[str, Any] | None = None) -> Iterator[OutputLock]:
@@ -152,7 +273,8 @@ class OutputDir:
 
     def lock_holder(self) -> dict[str, Any] | None:
         """The body of a lock that a live process holds right now, else None (stale bodies ignored)."""
-        return lock_holder(self.path / LOCK_FILE, self.key)
+        root = self.open_root()
+        return lock_holder(root) if root is not None else None
 
     def _require_lock(self) -> None:
         if self.held_lock() is None:
@@ -166,7 +288,7 @@ class OutputDir:
         Raises:
             ManifestError: the manifest is unreadable.
         """
-        return read_manifest(self.manifest_path)
+        return read_manifest(self.open_root(), self.manifest_path)
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Replace the manifest atomically (temp + fsync + rename + fsync dir). Needs the lock.
@@ -176,7 +298,7 @@ class OutputDir:
             OSError: the manifest cannot be written.
         """
         self._require_lock()
-        write_manifest(self.manifest_path, manifest)
+        write_manifest(self.root, manifest)
 
     def open_dataset(
         self,
@@ -225,7 +347,7 @@ class OutputDir:
         manifest = self.read_manifest()
         if manifest is not None and dataset in manifest["datasets"]:
             return []
-        return sorted(shard_files(self.path / dataset))
+        return sorted(shard_files(self._dir(dataset)))
 
     def rebuild_dataset(
         self,
@@ -263,14 +385,15 @@ class OutputDir:
         manifest = self.read_manifest()
         if manifest is not None and dataset in manifest["datasets"]:
             return []
-        files = shard_files(self.path / dataset)
-        if not files:
+        shard_dir = self._dir(dataset)
+        files = shard_files(shard_dir)
+        if not files or shard_dir is None:
             return []
         gen = dict(generation or {"samples": 1, "regenerate": "last"})
         if manifest is None:
             manifest = new_manifest(shard_size)
         check_shard_size(manifest, shard_size, self.path)
-        records, problems = check_adoptable(self.path, dataset, files, slices, self.read_rejects(dataset),
+        records, problems = check_adoptable(self.path, shard_dir, dataset, files, slices, self.read_rejects(dataset),
                                              int(gen.get("samples", 1)), str(gen.get("regenerate", "last")))
         if problems:
             raise UnrecordedShards(
@@ -345,15 +468,17 @@ class OutputDir:
         self._dir("_journal", dataset)  # its journal is removed below: checked before anything is written
         if reject_list:
             self._append_rejects(dataset, index, reject_list)
-        self._dir(dataset, create=True)
-        path = self.shard_path(dataset, index)
-        digest = write_parquet(path, table)
-        record = ShardRecord(dataset, index, str(path.relative_to(self.path)), table.num_rows,
-                             reject_units(reject_list, samples), digest, utc_now_iso(), path)
+        shard_dir = self._dir(dataset, create=True)
+        assert shard_dir is not None
+        name = f"{shard_file_name(index)}.parquet"
+        digest = write_parquet(shard_dir, name, table)
+        record = ShardRecord(dataset, index, f"{dataset}/{name}", table.num_rows,
+                             reject_units(reject_list, samples), digest, utc_now_iso(), self.shard_path(dataset, index))
         add_shard(manifest, record)
         self.write_manifest(manifest)
-        with contextlib.suppress(FileNotFoundError):
-            self.journal_path(dataset, index).unlink()
+        journal_dir = self._dir("_journal", dataset)
+        if journal_dir is not None:
+            journal_dir.unlink(f"{shard_file_name(index)}.jsonl")
         return record
 
     def replace_shard(self, dataset: str, index: int, table: pa.Table) -> ShardRecord:
@@ -375,9 +500,11 @@ class OutputDir:
                     f"replacing shard {index} of {dataset!r} would change its rows "
                     f"from {entry['rows']} to {table.num_rows}"
                 )
-            self._dir(dataset)
+            shard_dir = self._dir(dataset)
             path = self.shard_path(dataset, index)
-            digest = write_parquet(path, table)
+            if shard_dir is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path.parent))
+            digest = write_parquet(shard_dir, path.name, table)
             entry["sha256"] = digest
             entry["replaced_at"] = utc_now_iso()
             self.write_manifest(manifest)
@@ -385,12 +512,13 @@ class OutputDir:
                                digest, entry["committed_at"], path)
 
     def _append_rejects(self, dataset: str, index: int, rejects: list[dict[str, Any]]) -> None:
-        self._dir("_rejects", create=True)
-        append_rejects(self.rejects_path(dataset), index, rejects)
+        d = self._dir("_rejects", create=True)
+        assert d is not None
+        append_rejects(d, f"{dataset}.jsonl", index, rejects)
 
     def read_rejects(self, dataset: str) -> list[dict[str, Any]]:
         """The dataset's reject records (torn lines skipped)."""
-        return read_rejects(self.rejects_path(dataset))
+        return read_rejects(self._dir("_rejects"), f"{dataset}.jsonl")
 
     # -- recovery ----------------------------------------------------------------------------------
 
@@ -405,14 +533,15 @@ class OutputDir:
         """
         self._require_lock()
         self.check_dirs(dataset)
-        journal_dir = self._journal_dir(dataset)
-        temp_files = remove_temp_files((self.path, self.path / dataset, self.path / "_rejects", journal_dir))
+        shard_dir, rejects_dir = self._dir(dataset), self._dir("_rejects")
+        journal_dir = self._dir("_journal", dataset)
+        temp_files = remove_temp_files((self.root, shard_dir, rejects_dir, journal_dir))
         committed = self.committed_indices(dataset)
         return {
             "temp_files": temp_files,
-            "orphan_shards": remove_orphan_shards(self.path / dataset, committed),
+            "orphan_shards": remove_orphan_shards(shard_dir, committed),
             "stale_journals": remove_stale_journals(journal_dir, committed),
-            "stale_rejects": prune_rejects(self.rejects_path(dataset), committed),
+            "stale_rejects": prune_rejects(rejects_dir, f"{dataset}.jsonl", committed),
         }
 
     def check_dirs(self, dataset: str) -> None:
@@ -435,7 +564,7 @@ class OutputDir:
         Raises:
             ManifestError: the manifest is unreadable.
         """
-        return list(find_damage(self.read_manifest(), self.path, dataset))
+        return list(find_damage(self.read_manifest(), self.path, self._dir, dataset))
 
     def check_intact(self, dataset: str | None = None) -> None:
         """Check every committed shard (of ``dataset``, or all) against the manifest.
@@ -462,7 +591,7 @@ class OutputDir:
         """
         with self.ensure_locked({"command": "datagen repair"}):
             manifest = self._manifest_or_raise()
-            damage = list(find_damage(manifest, self.path))
+            damage = list(find_damage(manifest, self.path, self._dir))
             if damage and not dry_run:
                 touched = uncommit(manifest, damage)
                 self.write_manifest(manifest)
@@ -476,9 +605,9 @@ class OutputDir:
         problems = []
         for index in self.open_journals(dataset):
             path = self.journal_path(dataset, index)
-            problems += [f"{path} {line}" for line in Journal.read(path).bad_lines]
+            problems += [f"{path} {line}" for line in self.read_journal(dataset, index).bad_lines]
         return problems
 
     def open_journals(self, dataset: str) -> list[int]:
         """Indices of shards of ``dataset`` that have a journal (open, uncommitted)."""
-        return journal_indices(self._journal_dir(dataset))
+        return journal_indices(self._dir("_journal", dataset))

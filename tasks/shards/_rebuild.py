@@ -8,6 +8,7 @@ the files. One file that fails refuses the whole dataset and changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.files import Dir
 from tasks.schema import ROW_SCHEMA, conform
 from tasks.shards._fs import shard_file_name, shard_index_of, utc_now_iso
-from tasks.shards._integrity import file_sha256
 from tasks.shards._manifest import ShardRecord
 
 __all__ = ["InputSlice", "check_adoptable", "shard_files"]
@@ -34,15 +35,15 @@ class InputSlice:
     ids: dict[str, int] = field(default_factory=dict)
 
 
-def shard_files(shard_dir: Path) -> dict[int, Path]:
-    """The Parquet shard files in ``shard_dir`` by index (symlinks and other non-files left out)."""
-    if not shard_dir.is_dir():
+def shard_files(shard_dir: Dir | None) -> dict[int, str]:
+    """The Parquet shard files' names in ``shard_dir`` by index (symlinks and other non-files left out)."""
+    if shard_dir is None:
         return {}
     found = {}
-    for p in shard_dir.glob("shard-*.parquet"):
-        index = shard_index_of(p.name)
-        if index is not None and p.is_file() and not p.is_symlink():
-            found[index] = p
+    for name in shard_dir.files(".parquet"):
+        index = shard_index_of(name)
+        if index is not None:
+            found[index] = name
     return found
 
 
@@ -58,11 +59,11 @@ def _reject_lines(rejects: Iterable[dict[str, Any]]) -> dict[int, list[tuple[int
     return by_shard
 
 
-def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int, int | None]],
+def _check(data: bytes, dataset: str, s: InputSlice, reject_lines: list[tuple[int, int | None]],
            samples: int, regenerate: str) -> tuple[int, str | None]:
-    """The row count of the file, and why it is not shard ``s.index`` of this input (None: it is)."""
+    """The row count of the file's ``data``, and why it is not shard ``s.index`` of this input (None: it is)."""
     try:
-        table = conform(pq.read_table(path))
+        table = conform(pq.read_table(pa.BufferReader(data)))
     except (OSError, pa.ArrowException) as exc:
         return 0, f"unreadable Parquet ({exc})"
     if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
@@ -87,15 +88,16 @@ def _check(path: Path, dataset: str, s: InputSlice, reject_lines: list[tuple[int
     return table.num_rows, None
 
 
-def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: Iterable[InputSlice],
+def check_adoptable(root: Path, shard_dir: Dir, dataset: str, files: dict[int, str], slices: Iterable[InputSlice],
                     rejects: Iterable[dict[str, Any]], samples: int = 1,
                     regenerate: str = "last") -> tuple[list[ShardRecord], list[str]]:
     """Check each file of ``files`` against its input slice.
 
     Args:
-        root: the output directory (manifest paths are relative to it).
+        root: the output directory (for the records' paths).
+        shard_dir: the dataset's directory, held open.
         dataset: the dataset.
-        files: shard files by index (``shard_files``).
+        files: shard file names by index (``shard_files``).
         slices: the input's slices in index order (consumed once; only those in ``files`` are kept).
         rejects: the dataset's reject records.
         samples: rows per input record.
@@ -110,18 +112,19 @@ def check_adoptable(root: Path, dataset: str, files: dict[int, Path], slices: It
     problems: list[str] = []
     seen: set[int] = set()
     for s in slices:
-        path = files.get(s.index)
-        if path is None:
+        name = files.get(s.index)
+        if name is None:
             continue
         seen.add(s.index)
         lines = reject_lines.get(s.index, [])
-        rows, why = _check(path, dataset, s, lines, samples, regenerate)
+        data = shard_dir.read_bytes(name)
+        rows, why = _check(data, dataset, s, lines, samples, regenerate)
         if why is not None:
-            problems.append(f"{path.name}: {why}")
+            problems.append(f"{name}: {why}")
             continue
         units = sum(1 if sample is not None else samples for _, sample in lines)
-        records.append(ShardRecord(dataset, s.index, str(path.relative_to(root)), rows, units,
-                                   file_sha256(path), utc_now_iso(), path))
+        records.append(ShardRecord(dataset, s.index, f"{dataset}/{name}", rows, units,
+                                   hashlib.sha256(data).hexdigest(), utc_now_iso(), root / dataset / name))
     for index in sorted(set(files) - seen):
         problems.append(f"{shard_file_name(index)}.parquet: the input has no slice {index}")
     return records, problems

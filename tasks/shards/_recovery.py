@@ -7,11 +7,10 @@ removed shard file are still in its journal, so they are recommitted without new
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import orjson
 
-from tasks.files import TMP_MARK, atomic_write_bytes
+from tasks.files import TMP_MARK, Dir
 from tasks.shards._fs import shard_index_of
 
 __all__ = [
@@ -23,20 +22,20 @@ __all__ = [
 ]
 
 
-def remove_temp_files(directories: Iterable[Path]) -> int:
-    """Remove the temp files of interrupted atomic writes in ``directories``; returns how many."""
+def remove_temp_files(directories: Iterable[Dir | None]) -> int:
+    """Remove the temp files of interrupted atomic writes in ``directories`` (None: absent); returns how
+    many."""
     removed = 0
     for directory in directories:
-        if not directory.is_dir():
+        if directory is None:
             continue
-        for p in directory.iterdir():
-            if TMP_MARK in p.name and p.is_file():
-                p.unlink()
+        for name in directory.names():
+            if TMP_MARK in name and directory.unlink(name):
                 removed += 1
     return removed
 
 
-def remove_orphan_shards(shard_dir: Path, committed: set[int]) -> int:
+def remove_orphan_shards(shard_dir: Dir | None, committed: set[int]) -> int:
     """Remove Parquet shards the manifest does not list; returns how many.
 
     Such a file was renamed into place before the manifest update: its journal still holds the rows.
@@ -44,29 +43,31 @@ def remove_orphan_shards(shard_dir: Path, committed: set[int]) -> int:
     return _remove_shard_files(shard_dir, "parquet", lambda index: index not in committed)
 
 
-def remove_stale_journals(journal_dir: Path, committed: set[int]) -> int:
+def remove_stale_journals(journal_dir: Dir | None, committed: set[int]) -> int:
     """Remove journals of shards the manifest lists (committed, but the journal outlived it)."""
     return _remove_shard_files(journal_dir, "jsonl", lambda index: index in committed)
 
 
-def _remove_shard_files(directory: Path, suffix: str, doomed: Callable[[int], bool]) -> int:
+def _remove_shard_files(directory: Dir | None, suffix: str, doomed: Callable[[int], bool]) -> int:
     removed = 0
-    if directory.is_dir():
-        for p in directory.glob(f"shard-*.{suffix}"):
-            index = shard_index_of(p.name)
-            if index is not None and doomed(index):
-                p.unlink()
+    if directory is not None:
+        for name in directory.names():
+            index = shard_index_of(name)
+            if index is not None and name.endswith(f".{suffix}") and doomed(index) and directory.unlink(name):
                 removed += 1
     return removed
 
 
-def prune_rejects(path: Path, committed: set[int]) -> int:
-    """Drop reject lines of uncommitted shards (and unreadable ones); returns how many were dropped.
+def prune_rejects(rejects_dir: Dir | None, name: str, committed: set[int]) -> int:
+    """Drop reject lines of uncommitted shards (and unreadable ones) from ``rejects_dir/name``; returns how
+    many were dropped.
 
     The file is rewritten atomically, also when only a torn last line has to go.
     """
+    if rejects_dir is None:
+        return 0
     try:
-        data = path.read_bytes()
+        data = rejects_dir.read_bytes(name)
     except FileNotFoundError:
         return 0
     keep: list[bytes] = []
@@ -84,13 +85,13 @@ def prune_rejects(path: Path, committed: set[int]) -> int:
         else:
             dropped += 1
     if dropped or (data and not data.endswith(b"\n")):
-        atomic_write_bytes(path, b"".join(line + b"\n" for line in keep))
+        rejects_dir.write_bytes(name, b"".join(line + b"\n" for line in keep))
     return dropped
 
 
-def journal_indices(journal_dir: Path) -> list[int]:
+def journal_indices(journal_dir: Dir | None) -> list[int]:
     """Sorted indices of the shards that have a journal in ``journal_dir`` (open, uncommitted)."""
-    if not journal_dir.is_dir():
+    if journal_dir is None:
         return []
-    found = (shard_index_of(p.name) for p in journal_dir.glob("shard-*.jsonl"))
+    found = (shard_index_of(name) for name in journal_dir.files(".jsonl"))
     return sorted(i for i in found if i is not None)

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import stat
 from pathlib import Path
 
-from tasks.files import UnsafeFile, atomic_write_text, checked_dir, fsync_dir
+from tasks.files import Dir, UnsafeFile
 
 __all__ = ["choose_version", "mark_failed", "promote_latest"]
 
 
-def _versions(root: Path) -> Path:
-    return root / "versions"
-
-
 def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
     """The output directory for this run: an unfinished version to resume, else a new one.
+
+    ``versions`` and its entries are looked at through handles (``tasks.files.Dir``): a symlink among
+    them is refused, never followed.
 
     Args:
         root: the partition's output root.
@@ -35,31 +35,37 @@ def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
         UnsafeFile: ``versions`` or an entry in it is a symlink, or not this user's directory.
         OSError: the directories cannot be created.
     """
-    versions = checked_dir(root, _versions(root), create=True)
-    latest = root / "latest"
-    current = latest.resolve() if latest.is_symlink() else None
-    entries = list(versions.iterdir())
-    for p in entries:
-        if p.is_symlink():  # a version is a directory datagen made; a link would be written through
-            raise UnsafeFile(p, f"it is a symbolic link to {os.readlink(p)}", directory=True)
-    for d in sorted((p for p in entries if p.is_dir()), reverse=True):
-        if current is not None and d.resolve() == current:
-            break  # everything older than the promoted version is history
-        if not (versions / f"{d.name}.failed").exists():
-            return d
-    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
-    out = versions / stamp
-    n = 1
-    while out.exists():
-        n += 1
-        out = versions / f"{stamp}.{n}"
-    out.mkdir(parents=True)
-    return out
+    with Dir.open(root, create=True) as r:
+        versions = r.sub("versions", create=True)
+        assert versions is not None
+        with versions:
+            current = r.target_key("latest")
+            entries = {name: versions.lstat(name) for name in versions.names()}
+            for name, st in entries.items():
+                if st is not None and stat.S_ISLNK(st.st_mode):  # a version is a directory datagen made
+                    raise UnsafeFile(versions.path / name,
+                                     f"it is a symbolic link to {versions.readlink(name)}", directory=True)
+            dirs = sorted((n for n, st in entries.items() if st is not None and stat.S_ISDIR(st.st_mode)), reverse=True)
+            for name in dirs:
+                st = entries[name]
+                if current is not None and (st.st_dev, st.st_ino) == current:  # type: ignore[union-attr]
+                    break  # everything older than the promoted version is history
+                if f"{name}.failed" not in entries:
+                    return root / "versions" / name
+            stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
+            name, n = stamp, 1
+            while versions.exists(name):
+                n += 1
+                name = f"{stamp}.{n}"
+            with versions.sub(name, create=True):  # type: ignore[union-attr]
+                pass
+            return root / "versions" / name
 
 
 def mark_failed(version_dir: Path, reason: str) -> None:
     """Never resume this version again (its committed shards failed validation)."""
-    atomic_write_text(version_dir.parent / f"{version_dir.name}.failed", reason + "\n")
+    with Dir.open(version_dir.parent) as versions:
+        versions.write_bytes(f"{version_dir.name}.failed", (reason + "\n").encode("utf-8"))
 
 
 def promote_latest(root: Path, version_dir: Path) -> Path:
@@ -71,10 +77,6 @@ def promote_latest(root: Path, version_dir: Path) -> Path:
     Raises:
         OSError: the link cannot be created or renamed.
     """
-    link = root / "latest"
-    tmp = root / f".latest.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    os.symlink(os.path.relpath(version_dir, root), tmp)
-    os.replace(tmp, link)
-    fsync_dir(root)
-    return link
+    with Dir.open(root) as r:
+        r.point("latest", os.path.relpath(version_dir, root))
+    return root / "latest"

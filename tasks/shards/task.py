@@ -10,10 +10,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tasks.config import ConfigError, PartitionConfig, SimGpuSettings
-from tasks.files import checked_dir
 from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE, sim_gpu_backend
 from tasks.run import RunPlan
-from tasks.shards import choose_version, promote_latest
+from tasks.shards import OutputDir, choose_version, promote_latest
 
 __all__ = ["prepare_run", "promote"]
 
@@ -23,10 +22,10 @@ def prepare_run(cfg: PartitionConfig) -> RunPlan:
     """Pick the output directory (a nightly version to resume or a new one) and, for the emulator
     with no ``DATAGEN_SIM_GPUS`` set, create the simulated GPUs under the output root."""
     root = cfg.output_root
-    root.mkdir(parents=True, exist_ok=True)
     out = choose_version(root) if cfg.versioned else root
     sim = _sim_gpus(cfg, root)
-    log_dir = checked_dir(root, root / "_logs", create=True)
+    OutputDir(root).subdir("_logs", create=True)  # OUT/_logs, opened with O_NOFOLLOW: a planted link is refused
+    log_dir = root / "_logs"
     logger = get_run_logger()
     logger.info("output %s%s", out, f" (version {out.name} of {root})" if cfg.versioned else "")
     if sim:  # said once here; the hygiene reports of the run leave it out

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tasks.shards import OutputDir
 from tasks.validation._errors import ValidationFailed
 from tasks.validation._output import validate_shard, write_json
 from tasks.validation._results import REPORT_NAME, ShardValidation
@@ -46,18 +47,16 @@ def gate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
 def _record_shard(out_dir: Path, result: ShardValidation) -> None:
     # Gates of datasets running side by side read-modify-write the same report: serialise them with a
     # flock on the output directory itself (no extra file; distinct from the run's OUT/_lock).
-    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        _record_shard_locked(out_dir, result)
-    finally:
-        os.close(fd)  # closing releases the lock
+    out = OutputDir(out_dir)
+    with out.root.reopen() as mine:  # a description of its own: threads of this process serialise too
+        fcntl.flock(mine.fd, fcntl.LOCK_EX)
+        _record_shard_locked(out, result)  # closing releases the lock
 
 
-def _record_shard_locked(out_dir: Path, result: ShardValidation) -> None:
-    path = out_dir / REPORT_NAME
+def _record_shard_locked(out: OutputDir, result: ShardValidation) -> None:
+    out_dir = out.path
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(out.read_file(REPORT_NAME) or b"")
         if not isinstance(doc, dict) or not isinstance(doc.get("datasets"), dict):
             raise ValueError("not a report")
     except (OSError, ValueError):
@@ -68,7 +67,7 @@ def _record_shard_locked(out_dir: Path, result: ShardValidation) -> None:
     ds["verdict"] = _worst(s.get("verdict") for s in ds["shards"].values())
     doc["verdict"] = _worst(verdicts)
     doc["validated_at"] = result.validated_at
-    write_json(path, doc)
+    write_json(out_dir, REPORT_NAME, doc)
 
 
 def _worst(verdicts: Iterable[Any]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.files import atomic_write_json
+from tasks.files import json_bytes
 from tasks.schema import conform
 from tasks.shards import ManifestError, OutputDir
 from tasks.validation._checks import judge_all, measure_all
@@ -39,13 +39,14 @@ def load_manifest(out_dir: Path) -> dict[str, Any]:
     Raises:
         BadOutput: ``out_dir`` is missing, has no manifest, or the manifest is unreadable or malformed.
     """
-    if not out_dir.is_dir():
-        raise BadOutput(f"{out_dir}: no such directory")
-    path = out_dir / MANIFEST_NAME
-    if not path.is_file():
-        raise BadOutput(f"{out_dir}: not a datagen output (no {MANIFEST_NAME})")
+    out = OutputDir(out_dir)
+    try:
+        if out.open_root() is None:
+            raise BadOutput(f"{out_dir}: no such directory")
+    except OSError as exc:  # a file where the output should be
+        raise BadOutput(f"{out_dir}: not a directory ({exc})") from exc
     try:  # the same checks as every command's: dataset names and shard files that stay inside OUT
-        manifest = OutputDir(out_dir).read_manifest()
+        manifest = out.read_manifest()
     except ManifestError as exc:
         raise BadOutput(str(exc)) from exc
     if manifest is None:
@@ -62,7 +63,9 @@ def _dataset_entry(manifest: Mapping[str, Any], dataset: str, out_dir: Path) -> 
 
 
 def _shard_file(out_dir: Path, info: Mapping[str, Any]) -> Path:
-    return out_dir / info["file"]  # checked by load_manifest: exactly <dataset>/shard-NNNNN.parquet
+    """The shard's path, for messages (``info["file"]`` is checked by load_manifest: exactly
+    ``<dataset>/shard-NNNNN.parquet``; the file is read through the output's handles)."""
+    return out_dir / info["file"]
 
 
 def _samples_of(entry: Mapping[str, Any]) -> int:
@@ -81,17 +84,9 @@ def _slice_size(manifest: Mapping[str, Any], entry: Mapping[str, Any], index: in
     return max(0, min(size, total - index * size)) * _samples_of(entry)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    """Atomic: a temp file in the same directory, fsynced, renamed over the target."""
-    atomic_write_json(path, doc, indent=2, default=str, newline=True)
+def write_json(out_dir: Path, name: str, doc: Mapping[str, Any]) -> None:
+    """Replace file ``name`` of the output atomically (through its handle) with ``doc`` as JSON."""
+    OutputDir(out_dir).write_file(name, json_bytes(doc, indent=2, default=str, newline=True))
 
 
 # ----------------------------------------------------------------------------------------- shards
@@ -148,7 +143,8 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     path = _shard_file(out_dir, info)
     ctx = Context(dataset=dataset, shard_index=index, out_dir=str(out_dir))
     try:
-        table = conform(pq.read_table(path))  # a shard of an older datagen: one sample, last turn
+        data = OutputDir(out_dir).read_shard(info["file"])
+        table = conform(pq.read_table(pa.BufferReader(data)))  # a shard of an older datagen: one sample, last turn
     except (OSError, pa.ArrowException) as exc:
         check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; run "
                       f"`datagen repair {out_dir}` to un-commit it: the next run generates it again")
@@ -157,7 +153,7 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     checks = judge_all(stats, ctx, thr)
     hash_ok = None
     if isinstance(info.get("sha256"), str):
-        hash_ok = _sha256(path) == info["sha256"]
+        hash_ok = hashlib.sha256(data).hexdigest() == info["sha256"]
     checks.insert(1, _complete_check(table.num_rows, info, _slice_size(manifest, entry, index),
                                      manifest.get("shard_size"), hash_ok, ctx, _samples_of(entry)))
     result = ShardValidation(dataset, index, str(path), table.num_rows, checks, stats=stats)
@@ -323,6 +319,5 @@ def write_report(out_dir: str | os.PathLike[str], report: ValidationReport) -> P
     Raises:
         OSError: the file cannot be written (``UnsafeFile`` for a planted link or foreign file).
     """
-    path = Path(out_dir) / REPORT_NAME
-    write_json(path, report.to_dict())
-    return path
+    write_json(Path(out_dir), REPORT_NAME, report.to_dict())
+    return Path(out_dir) / REPORT_NAME

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import SimGpus
-from tasks.shards import Journal, OutputDir
+from tasks.shards import OutputDir
 from tasks.validation import validate_shard
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home, on_shared_server
@@ -162,7 +162,7 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
     _assert_nothing_left(model, sim, out)
     # Rows of shard 1 that finished before the stop stay journaled, split with the wrong parser; the
     # rerun must split them again (how many depends on timing: typically 3 or 4, rarely none).
-    journaled = Journal.read(OutputDir(out).journal_path("prompts", 1)).rows
+    journaled = OutputDir(out).read_journal("prompts", 1).rows
     print(f"rows of shard 1 journaled at the stop: {len(journaled)}")
     assert all(r["reasoning_parser"] == "mistral" and r["reasoning"] is None for r in journaled.values())
     before = pq.read_table(out / "prompts" / "shard-00000.parquet")

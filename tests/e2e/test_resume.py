@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tasks.inference import ServerGone
-from tasks.shards import Journal, OutputDir, OutputLocked
+from tasks.shards import OutputDir, OutputLocked
 from tests.support.inference import (
     EMU_ARGS,
     assert_exactly_once,
@@ -106,7 +106,7 @@ def test_kill_9_mid_conversation_resumes_from_the_last_finished_turn(tmp_path, s
     done = turns_on_disk(out)
     assert 0 < done < total_turns
     o = OutputDir(out)
-    journals = [Journal.read(o.journal_path("ds", k)) for k in o.open_journals("ds")]
+    journals = [o.read_journal("ds", k) for k in o.open_journals("ds")]
     assert any(set(j.turns) - set(j.rows) for j in journals)  # killed mid-conversation
     before = wait_idle(em.url)["num_requests_total"]
     r = run(inp, out, em.url, shard=8, samples=2, regenerate="all")

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ShardProgress, run_dataset
 from tasks.schema import conform
-from tasks.shards import Journal, OutputDir, ShardRecord
+from tasks.shards import OutputDir, ShardRecord
 from tests.support.emulator import DEMO_MODEL
 from tests.support.paths import REPO_ROOT
 
@@ -82,7 +82,7 @@ def turns_on_disk(out: Path, dataset: str = "ds") -> int:
     n = sum(len(r["turns"]) + 1 for r in committed_rows(out, dataset, ["turns"]))
     for k in o.open_journals(dataset):
         if k not in committed:
-            contents = Journal.read(o.journal_path(dataset, k))
+            contents = o.read_journal(dataset, k)
             n += sum(len(r["turns"]) + 1 for r in contents.rows.values())
             n += sum(len(t) for key, t in contents.turns.items() if key not in contents.rows)
     return n
@@ -102,7 +102,7 @@ def rows_on_disk(out: Path, dataset: str = "ds") -> int:
     n = sum(r.rows for r in o.committed_shards(dataset))
     for k in o.open_journals(dataset):
         if k not in committed:
-            n += len(Journal.read(o.journal_path(dataset, k)).rows)
+            n += len(o.read_journal(dataset, k).rows)
     return n
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.shards import Journal, OutputDir
+from tasks.shards import OutputDir
 from tests.support.inference import EMU_ARGS, metrics, rows_on_disk, run, wait_idle, write_input
 
 
@@ -48,4 +48,4 @@ def test_failing_canary_stops_before_twice_the_concurrency(tmp_path, emulator):
     assert answered < 2 * 16
     # Nothing committed; the rows that finished are journaled and a rerun keeps them.
     assert OutputDir(out).committed_indices("ds") == set()
-    assert 8 <= rows_on_disk(out) == len(Journal.read(OutputDir(out).journal_path("ds", 0)).rows)
+    assert 8 <= rows_on_disk(out) == len(OutputDir(out).read_journal("ds", 0).rows)

@@ -36,7 +36,7 @@ def test_commit_writes_parquet_manifest_rejects_and_drops_journal(tmp_path):
     out = _opened(tmp_path)
     with out.lock({"flow_run": "fr-1"}):
         out.open_dataset("ds", input_path="/in.jsonl", input_fingerprint="abc", shard_size=4)
-        j = Journal(out.journal_path("ds", 0))
+        j = out.journal("ds", 0)
         for i in range(3):
             j.append(_row(i))
         j.close()
@@ -81,8 +81,9 @@ def test_bad_dataset_name_is_refused(tmp_path):
 
 
 def test_journal_torn_line_and_duplicates(tmp_path):
-    path = tmp_path / "j.jsonl"
-    j = Journal(path)
+    out = OutputDir(tmp_path / "out")
+    path = out.journal_path("ds", 0)
+    j = out.journal("ds", 0)
     j.append(_row(0))
     j.append(_row(1))
     j.append({"_reject": True, "_pos": 2, "reason": "r", "line": 3})
@@ -90,15 +91,15 @@ def test_journal_torn_line_and_duplicates(tmp_path):
     with open(path, "ab") as f:
         f.write(orjson.dumps(_row(1)) + b"\n")  # duplicate: ignored
         f.write(orjson.dumps(_row(3))[:40])  # torn by a kill mid-write
-    c = Journal.read(path)
+    c = out.read_journal("ds", 0)
     assert sorted(c.rows) == [("r0", 0), ("r1", 0)] and list(c.rejects) == [(2, WHOLE_RECORD)]
     assert c.torn_lines == 1
     assert c.units == {(0, 0), (1, 0)} and c.whole_rejects == {2}
     # appending after a torn tail starts a fresh line, so the new record is readable
-    j2 = Journal(path)
+    j2 = out.journal("ds", 0)
     j2.append(_row(4))
     j2.close()
-    assert sorted(Journal.read(path).rows) == [("r0", 0), ("r1", 0), ("r4", 0)]
+    assert sorted(out.read_journal("ds", 0).rows) == [("r0", 0), ("r1", 0), ("r4", 0)]
 
 
 def test_recover_cleans_temp_orphan_parquet_stale_journal_and_rejects(tmp_path):
@@ -112,7 +113,7 @@ def test_recover_cleans_temp_orphan_parquet_stale_journal_and_rejects(tmp_path):
         (tmp_path / "out/ds/shard-00002.parquet.tmp-123").write_bytes(b"tmp")
         (tmp_path / "out/_manifest.json.tmp-9").write_bytes(b"{")
         # crash between manifest update and journal removal of shard 0
-        Journal(out.journal_path("ds", 0)).append(_row(0))
+        out.journal("ds", 0).append(_row(0))
         counts = out.recover("ds")
     assert counts == {"temp_files": 2, "orphan_shards": 1, "stale_journals": 1, "stale_rejects": 1}
     assert sorted(p.name for p in (tmp_path / "out/ds").iterdir()) == ["shard-00000.parquet"]
@@ -171,7 +172,7 @@ def test_journal_lines_that_are_json_but_no_record_are_skipped_and_named(tmp_pat
              orjson.dumps(no_column), b"[1]", b'{"id": 5}', orjson.dumps(_row(1)), b'{"_turn": "x", "id": "r9"}']
     path = tmp_path / "shard-00000.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    contents = Journal.read(path)
+    contents = Journal.parse(path.read_bytes())
     assert sorted(contents.rows) == [("r0", 0), ("r1", 0)]  # the later good copy of r1 counts
     assert contents.rows[("r1", 0)]["prompt_tokens"] == 3
     assert contents.torn_lines == 1 and contents.rejects == {} and contents.turns == {}
