@@ -271,7 +271,7 @@ class Dir:
                 return None
         return current
 
-    def rmdir(self, name: str) -> bool:
+    def remove_dir(self, name: str) -> bool:
         """Remove the empty subdirectory ``name``; False when it is missing or not empty.
 
         Raises:
@@ -329,7 +329,7 @@ class Dir:
             raise
         return fd
 
-    def read_bytes(self, name: str) -> bytes:
+    def read(self, name: str) -> bytes:
         """The whole content of file ``name``.
 
         Raises:
@@ -389,7 +389,7 @@ class Dir:
         with naming(target):
             os.fsync(self.fd)
 
-    def write_bytes(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes) -> None:
         """Replace file ``name`` with ``data`` atomically and durably (see ``writer``)."""
         with self.writer(name) as f:
             f.write(data)
@@ -411,7 +411,7 @@ class Dir:
             finally:
                 os.close(fd)
 
-    def unlink(self, name: str) -> bool:
+    def remove(self, name: str) -> bool:
         """Remove file ``name`` (``unlinkat``: never through a link); False when it is missing.
 
         Raises:
@@ -515,7 +515,7 @@ def read_nofollow(path: Path | str) -> bytes:
     """
     d, name = _parent(path)
     with d:
-        return d.read_bytes(name)
+        return d.read(name)
 
 
 def check_replaceable(path: Path | str) -> None:
@@ -566,7 +566,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """
     d, name = _parent(path)
     with d:
-        d.write_bytes(name, data)
+        d.write(name, data)
 
 
 def atomic_write_text(path: Path | str, text: str, encoding: str = "utf-8") -> None:

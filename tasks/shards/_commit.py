@@ -77,7 +77,7 @@ def write_parquet(directory: Dir, name: str, table: pa.Table) -> str:
         pyarrow.ArrowInvalid: the table cannot be cast to ROW_SCHEMA.
     """
     data = parquet_bytes(table)
-    directory.write_bytes(name, data)
+    directory.write(name, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -96,7 +96,7 @@ def read_rejects(directory: Dir | None, name: str) -> list[dict[str, Any]]:
     if directory is None:
         return []
     try:
-        data = directory.read_bytes(name)
+        data = directory.read(name)
     except FileNotFoundError:
         return []
     out = []

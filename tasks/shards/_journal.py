@@ -142,7 +142,7 @@ class Journal:
             data = os.pread(self._fd, size, 0) if size else b""
         else:
             try:
-                data = self._directory().read_bytes(self.name)
+                data = self._directory().read(self.name)
             except FileNotFoundError:
                 data = b""
         return self.parse(data, check_rows=check_rows)

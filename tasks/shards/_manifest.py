@@ -84,7 +84,7 @@ def read_manifest(root: Dir | None, path: Path) -> dict[str, Any] | None:
     if root is None:
         return None
     try:
-        data = root.read_bytes(MANIFEST_FILE)
+        data = root.read(MANIFEST_FILE)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -192,7 +192,7 @@ def write_manifest(root: Dir, manifest: dict[str, Any]) -> None:
         OSError: the manifest cannot be written (the old one stays).
     """
     manifest["updated_at"] = utc_now_iso()
-    root.write_bytes(MANIFEST_FILE, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    root.write(MANIFEST_FILE, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
 
 
 def new_manifest(shard_size: int) -> dict[str, Any]:

@@ -169,7 +169,7 @@ class OutputDir:
         """What the journal of shard ``index`` of ``dataset`` holds (empty when there is none)."""
         d = self._dir("_journal", dataset)
         try:
-            data = d.read_bytes(f"{shard_file_name(index)}.jsonl") if d is not None else b""
+            data = d.read(f"{shard_file_name(index)}.jsonl") if d is not None else b""
         except FileNotFoundError:
             data = b""
         return Journal.parse(data, check_rows=check_rows)
@@ -180,7 +180,7 @@ class OutputDir:
         if parent is None:
             return False
         self._dirs.pop(("_journal", dataset), None)
-        return parent.rmdir(dataset)
+        return parent.remove_dir(dataset)
 
     def shard_reader(self, rec: ShardRecord | str) -> IO[bytes]:
         """A committed shard's file (a record, or the manifest's ``<dataset>/shard-NNNNN.parquet``)
@@ -210,7 +210,7 @@ class OutputDir:
         """
         root = self.open_root()
         try:
-            return root.read_bytes(name) if root is not None else None
+            return root.read(name) if root is not None else None
         except FileNotFoundError:
             return None
 
@@ -221,7 +221,7 @@ class OutputDir:
             UnsafeFile: it is a symlink, not a regular file, or another user's.
             OSError: it cannot be written (it keeps its old content).
         """
-        self.root.write_bytes(name, data)
+        self.root.write(name, data)
 
     def subdir(self, name: str, *, create: bool = False) -> Dir | None:
         """``OUT/<name>`` held open (``_logs``), see ``_dir``."""
@@ -478,7 +478,7 @@ class OutputDir:
         self.write_manifest(manifest)
         journal_dir = self._dir("_journal", dataset)
         if journal_dir is not None:
-            journal_dir.unlink(f"{shard_file_name(index)}.jsonl")
+            journal_dir.remove(f"{shard_file_name(index)}.jsonl")
         return record
 
     def replace_shard(self, dataset: str, index: int, table: pa.Table) -> ShardRecord:

@@ -117,7 +117,7 @@ def check_adoptable(root: Path, shard_dir: Dir, dataset: str, files: dict[int, s
             continue
         seen.add(s.index)
         lines = reject_lines.get(s.index, [])
-        data = shard_dir.read_bytes(name)
+        data = shard_dir.read(name)
         rows, why = _check(data, dataset, s, lines, samples, regenerate)
         if why is not None:
             problems.append(f"{name}: {why}")

@@ -30,7 +30,7 @@ def remove_temp_files(directories: Iterable[Dir | None]) -> int:
         if directory is None:
             continue
         for name in directory.names():
-            if TMP_MARK in name and directory.unlink(name):
+            if TMP_MARK in name and directory.remove(name):
                 removed += 1
     return removed
 
@@ -53,7 +53,7 @@ def _remove_shard_files(directory: Dir | None, suffix: str, doomed: Callable[[in
     if directory is not None:
         for name in directory.names():
             index = shard_index_of(name)
-            if index is not None and name.endswith(f".{suffix}") and doomed(index) and directory.unlink(name):
+            if index is not None and name.endswith(f".{suffix}") and doomed(index) and directory.remove(name):
                 removed += 1
     return removed
 
@@ -67,7 +67,7 @@ def prune_rejects(rejects_dir: Dir | None, name: str, committed: set[int]) -> in
     if rejects_dir is None:
         return 0
     try:
-        data = rejects_dir.read_bytes(name)
+        data = rejects_dir.read(name)
     except FileNotFoundError:
         return 0
     keep: list[bytes] = []
@@ -85,7 +85,7 @@ def prune_rejects(rejects_dir: Dir | None, name: str, committed: set[int]) -> in
         else:
             dropped += 1
     if dropped or (data and not data.endswith(b"\n")):
-        rejects_dir.write_bytes(name, b"".join(line + b"\n" for line in keep))
+        rejects_dir.write(name, b"".join(line + b"\n" for line in keep))
     return dropped
 
 

@@ -65,7 +65,7 @@ def choose_version(root: Path, now: dt.datetime | None = None) -> Path:
 def mark_failed(version_dir: Path, reason: str) -> None:
     """Never resume this version again (its committed shards failed validation)."""
     with Dir.open(version_dir.parent) as versions:
-        versions.write_bytes(f"{version_dir.name}.failed", (reason + "\n").encode("utf-8"))
+        versions.write(f"{version_dir.name}.failed", (reason + "\n").encode("utf-8"))
 
 
 def promote_latest(root: Path, version_dir: Path) -> Path:

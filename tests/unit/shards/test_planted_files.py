@@ -216,7 +216,7 @@ def test_a_name_that_is_not_one_plain_component_is_refused(tmp_path: Path) -> No
             with pytest.raises(OSError, match="is not a plain file name"):
                 d.sub(bad, create=True)
             with pytest.raises(OSError, match="is not a plain file name"):
-                d.write_bytes(bad, b"x")
+                d.write(bad, b"x")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
