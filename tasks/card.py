@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tasks.files import UnsafeFile
 from tasks.schema import COLUMN_DOCS, ROW_SCHEMA
 from tasks.shards import OutputDir
 from tasks.validation import Check, md_text, measured
@@ -109,6 +110,8 @@ def _values(out: OutputDir, files: Iterable[str]) -> tuple[dict[str, Counter[str
         try:
             data = out.read_shard(file)
             pf = pq.ParquetFile(pa.BufferReader(data))
+        except UnsafeFile:
+            raise
         except (OSError, pa.ArrowException):
             continue
         stored += len(data)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tasks.files import Dir
+from tasks.files import Dir, UnsafeFile
 from tasks.shards._manifest import ShardRecord, iter_shard_records
 
 __all__ = ["ShardDamage", "file_sha256", "find_damage", "uncommit"]
@@ -52,11 +52,15 @@ def _problem(rec: ShardRecord, shard_dir: Dir | None) -> str | None:
     st = shard_dir.lstat(rec.name) if shard_dir is not None else None
     if st is None:
         return "the file is missing"
+    if stat.S_ISLNK(st.st_mode):  # planted in OUT: refused (exit 2), not un-committed as damage
+        raise UnsafeFile(rec.path, f"it is a symbolic link to {shard_dir.readlink(rec.name)}")  # type: ignore[union-attr]
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     try:
         with shard_dir.reader(rec.name) as f:  # type: ignore[union-attr]
             digest = file_sha256(f)
+    except UnsafeFile:
+        raise
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
     if digest != rec.sha256:

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.files import json_bytes
+from tasks.files import UnsafeFile, json_bytes
 from tasks.schema import conform
 from tasks.shards import ManifestError, OutputDir
 from tasks.validation._checks import judge_all, measure_all
@@ -145,6 +145,8 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     try:
         data = OutputDir(out_dir).read_shard(info["file"])
         table = conform(pq.read_table(pa.BufferReader(data)))  # a shard of an older datagen: one sample, last turn
+    except UnsafeFile:
+        raise  # a link planted in OUT says nothing about the data: refused as such (exit 2), not judged
     except (OSError, pa.ArrowException) as exc:
         check = Check("schema", "fail", None, None, f"{ctx.label}: cannot read {path}: {exc}; run "
                       f"`datagen repair {out_dir}` to un-commit it: the next run generates it again")
