@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 ATTEMPTS = 2  # per `datagen run` case: each is a whole run (about 10 s); the quick commands try 4 times
 QUICK_ATTEMPTS = 4
+STORM_S = 1.0  # an attacker swapping back and forth as fast as it can, from the moment on
 SENTINEL = b"a file that is not this output's\n"
 NAMES = ("shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet", "shard-00003.parquet",
          "shard-00000.jsonl", "shard-00001.jsonl", "ds.jsonl", "server.log")
@@ -75,8 +76,9 @@ def _undo(real: Path, link: Path) -> None:
     """What the operator does on finding the link: remove it and put the directory back."""
     if link.is_symlink():
         link.unlink()
-    if real.is_dir() and not real.is_symlink() and not link.exists():
         real.rename(link)
+    elif real.is_symlink():
+        real.unlink()
 
 
 def _refused_or_done(res: subprocess.CompletedProcess[str], link: Path) -> None:
@@ -94,39 +96,46 @@ def _is(wanted: str) -> Callable[[str], bool]:
     return lambda name: name == wanted
 
 
-# (case, directory swapped, what to watch, event mask, which names): through `datagen run`
-RUN_CASES = {
+# case -> (directory swapped, whether it is there before the run, and per attempt: the directory
+# watched, the event, which names, how long to go on swapping after the first). Attempt 0 swaps once
+# at the moment of use; attempt 1 swaps back and forth for STORM_S from an earlier moment, so that every
+# instant between a check and a use is hit. Through `datagen run`:
+RUN_CASES: dict[str, tuple[str, bool, list[tuple[str, int, Callable[[str], bool], float]]]] = {
     # 1. OUT/<dataset> at the first shard commit (its temp file appears)
-    "dataset-dir-at-commit": ("ds", "ds", IN_CREATE, _created_tmp),
+    "dataset-dir-at-commit": ("ds", True, [("ds", IN_CREATE, _created_tmp, 0.0), ("ds", IN_CREATE, _created_tmp, STORM_S)]),
     # 2. OUT/_journal/<dataset> at a commit (between the Parquet file and the journal's removal)
-    "journal-dir-at-commit": ("_journal/ds", "ds", IN_CREATE, _created_tmp),
-    # 2. OUT/_logs once its check opened it (the launch opens it again to create the server log)
-    "logs-dir-at-launch": ("_logs", ".", IN_OPEN, _is("_logs")),
-    # 3. an empty OUT/<dataset>, planted, swapped during the start-up cleanup for another output's
-    #    dataset directory
-    "planted-dataset-dir-at-cleanup": ("ds", ".", IN_OPEN, _is("ds")),
+    "journal-dir-at-commit": ("_journal/ds", True, [("ds", IN_CREATE, _created_tmp, 0.0),
+                                                    ("ds", IN_CREATE, _created_tmp, STORM_S)]),
+    # 2. OUT/_logs as it is created (the launch then creates the server log in it)
+    "logs-dir-at-launch": ("_logs", False, [(".", IN_CREATE, _is("_logs"), 0.0), (".", IN_CREATE, _is("_logs"), STORM_S)]),
+    # 3. an empty OUT/<dataset>, planted, swapped for another output's dataset directory as the start-up
+    #    cleanup opens it, or from the moment the run takes the lock
+    "planted-dataset-dir-at-cleanup": ("ds", True, [(".", IN_OPEN, _is("ds"), 0.0), (".", IN_CREATE, _is("_lock"), STORM_S)]),
 }
 
 
 @pytest.mark.parametrize("case", list(RUN_CASES))
 def test_datagen_run_never_follows_a_swapped_directory(prefect_server: PrefectServer, tmp_path: Path,
                                                         case: str) -> None:
-    swapped, watched, mask, when = RUN_CASES[case]
+    swapped, planted, moments = RUN_CASES[case]
     part, ids = partition(tmp_path, {"ds": 8}, [], shard=2, conc=2, max_relaunches=0)
     env = _env(prefect_server, tmp_path)
     sibling = tmp_path / "sibling"  # another output: its dataset directory is what a swap points at
     decoy(sibling / "ds")
-    for attempt in range(ATTEMPTS):
+    for attempt, (watched, mask, when, storm_s) in enumerate(moments):
         out = tmp_path / f"out-{attempt}"
         elsewhere = decoy(tmp_path / f"elsewhere-{attempt}")
         target = sibling / "ds" if case.startswith("planted") else elsewhere
         before = {"elsewhere": snapshot(elsewhere), "sibling": snapshot(sibling)}
-        link, parked = out / swapped, out / swapped.replace("ds", ".parked-ds").replace("_logs", ".parked-logs")
-        link.mkdir(parents=True)  # the directory is there before the run (planted, or left by a previous one)
+        link = out / swapped
+        parked = link.with_name(f".parked-{link.name}")
+        parked.parent.mkdir(parents=True)
+        if planted:  # the directory is there before the run (planted, or left by a previous one)
+            link.mkdir()
         (out / watched).mkdir(parents=True, exist_ok=True)
         parked.symlink_to(target, target_is_directory=True)
         cmd = [DATAGEN, "run", "--partition", str(part), "--out", str(out)]
-        with swap_on(out / watched if watched != "." else out, mask, when, link, parked) as swap:
+        with swap_on(out / watched, mask, when, link, parked, storm_s=storm_s) as swap:
             res = _run(cmd, env)
         assert swap.error is None, swap.error
         assert swap.done.is_set(), f"{case}: the moment never came ({res.stderr[-2000:]})"
@@ -174,7 +183,8 @@ def test_repair_resplit_and_export_never_follow_a_swapped_dataset_directory(
                 "export": [DATAGEN, "export", str(out), "--format", "sharegpt", "--out", str(tmp_path / f"x-{attempt}.jsonl")],
                 }[command]
         # the moment: the command opens a shard file of OUT/ds (to hash, read or rewrite it)
-        with swap_on(out / "ds", IN_OPEN, lambda n: n.startswith("shard-"), link, parked, skip=attempt % 2) as swap:
+        with swap_on(out / "ds", IN_OPEN, lambda n: n.startswith("shard-"), link, parked, skip=attempt % 2,
+                     storm_s=STORM_S * (attempt // 2)) as swap:
             res = _run(argv, env, timeout=120)
         assert swap.error is None, swap.error
         assert swap.done.is_set(), f"{command}: the moment never came ({res.stderr[-2000:]})"

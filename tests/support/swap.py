@@ -16,6 +16,7 @@ import os
 import select
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -47,14 +48,17 @@ class Swap:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.event: str | None = None
+        self.swaps = 0
         self.error: BaseException | None = None
 
 
 @contextlib.contextmanager
 def swap_on(watch: Path, mask: int, when: Callable[[str], bool], a: Path, b: Path,
-            *, skip: int = 0) -> Iterator[Swap]:
+            *, skip: int = 0, storm_s: float = 0.0) -> Iterator[Swap]:
     """While the block runs, watch directory ``watch`` for ``mask`` events and, at the first (after
-    ``skip``) whose name satisfies ``when``, swap ``a`` and ``b``. The watch ends with the block."""
+    ``skip``) whose name satisfies ``when``, swap ``a`` and ``b``. With ``storm_s``, go on swapping them
+    back and forth as fast as possible for that long (every instant of a check-then-use window is
+    hit), ending swapped. The watch ends with the block."""
     fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
     if fd < 0:
         raise OSError(ctypes.get_errno(), "inotify_init1")
@@ -85,6 +89,14 @@ def swap_on(watch: Path, mask: int, when: Callable[[str], bool], a: Path, b: Pat
                         if seen[0] > skip:
                             exchange(a, b)
                             result.event = name
+                            swaps, end = 1, time.monotonic() + storm_s
+                            while time.monotonic() < end and not stop.is_set():
+                                exchange(a, b)
+                                swaps += 1
+                            if swaps % 2 == 0:
+                                exchange(a, b)
+                                swaps += 1
+                            result.swaps = swaps
                             result.done.set()
                             return
         except BaseException as exc:  # reported by the test, never swallowed
