@@ -71,6 +71,7 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_scale_out.py",  # 142 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
     "tests/e2e/test_adopt.py",  # about 100 s
+    "tests/e2e/test_swap_races.py",  # about 110 s on 4 workers: 9 `datagen run`s and 24 quick commands
     "tests/e2e/test_chaos_quick.py",  # 84 s
     "tests/e2e/test_readme_production.py",  # 72 s
     "tests/sglang/test_failures.py",  # 71 s
