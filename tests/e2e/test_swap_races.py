@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 
-from tasks.shards import OutputDir
 from tests.e2e.test_flow_recovery import DATAGEN, ROOT, _env
 from tests.support.prefect import PrefectServer
 from tests.support.runs import assert_exactly_once, partition
