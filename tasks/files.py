@@ -123,6 +123,9 @@ def _refusal(path: Path | str, st: os.stat_result, *, directory: bool = False, o
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# An open refused (a link or the wrong kind) whose name looks right a moment later: something is
+# renaming it back and forth. Refused all the same.
+_CHANGING = "it is being replaced: it was a symbolic link or the wrong kind of file when opened ({}), and is not now"
 
 
 def _component(name: str, where: Path) -> str:
@@ -250,7 +253,7 @@ class Dir:
             st = self.lstat(name)
             if st is not None:
                 self._refuse(name, st, directory=True)
-            raise UnsafeFile(self.path / name, exc.strerror or str(exc), directory=True) from exc
+            raise UnsafeFile(self.path / name, _CHANGING.format(exc.strerror or exc), directory=True) from exc
         d = Dir(fd, self.path / name)
         d._refuse_self()
         return d
@@ -313,12 +316,14 @@ class Dir:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=self.fd)
         except FileNotFoundError:
             raise
-        except OSError:  # ELOOP is how O_NOFOLLOW reports a symlink
+        except OSError as exc:  # ELOOP is how O_NOFOLLOW reports a symlink
             st = None
             with contextlib.suppress(OSError):
                 st = self.lstat(name)
             if st is not None:
                 self._refuse(name, st, owned=writing)
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):  # it was one a moment ago
+                raise UnsafeFile(self.path / name, _CHANGING.format(exc.strerror or exc)) from exc
             raise
         try:
             self._refuse(name, os.fstat(fd), owned=writing)
@@ -486,10 +491,20 @@ def open_below(path: Path | str, flags: int, mode: int = 0o644, *, create_dir: b
             return d.open_file(path.name, flags, mode)
 
 
-def _parent(path: Path | str) -> tuple[Dir, str]:
-    """A file's directory held open (reached by its path: a file outside any output) and its name."""
+def _parent(path: Path | str, how: str = "") -> tuple[Dir, str]:
+    """A file's directory held open (reached by its path: a file outside any output) and its name.
+
+    Raises:
+        FileNotFoundError: the directory is missing (naming the file asked for, and ``how``).
+    """
     path = Path(path)
-    return Dir.open(path.parent), path.name
+    try:
+        return Dir.open(path.parent), path.name
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(exc.errno, f"{exc.strerror}{how}", str(path)) from None
+
+
+_VIA_TEMP = " (writing it through a temp file beside it)"
 
 
 def open_for_write(path: Path | str, flags: int, mode: int = 0o644) -> int:
@@ -553,7 +568,7 @@ def atomic_writer(path: Path | str, mode: str = "w", encoding: str = "utf-8") ->
         UnsafeFile: ``path`` is a symlink, not a regular file, or owned by another user.
         OSError: the temp file cannot be written, synced or renamed (``path`` is unchanged).
     """
-    d, name = _parent(path)
+    d, name = _parent(path, _VIA_TEMP)
     with d, d.writer(name, mode, encoding) as f:
         yield f
 
@@ -564,7 +579,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     Raises:
         OSError: the write fails (``path`` is unchanged, no temp file is left).
     """
-    d, name = _parent(path)
+    d, name = _parent(path, _VIA_TEMP)
     with d:
         d.write(name, data)
 

@@ -83,7 +83,8 @@ def _undo(real: Path, link: Path) -> None:
 def _refused_or_done(res: subprocess.CompletedProcess[str], link: Path) -> None:
     assert res.returncode in (0, 2), res.stderr[-3000:]
     if res.returncode == 2:
-        assert f"refusing to use {link}: it is a symbolic link" in res.stderr, res.stderr[-3000:]
+        assert (f"refusing to use {link}: it is a symbolic link" in res.stderr
+                or f"refusing to use {link}: it is being replaced" in res.stderr), res.stderr[-3000:]
     assert "Traceback" not in res.stderr
 
 
