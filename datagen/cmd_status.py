@@ -64,6 +64,9 @@ def status(out: Path) -> dict[str, Any]:
             "rows": sum(int(s.get("rows", 0)) for s in shards.values()),
             "rejects": sum(int(s.get("rejects", 0)) for s in shards.values()),
             "total_rows": ds.get("total_rows"),
+            # what the dataset makes: its input records x samples per record (rows and rejects count
+            # per sample); None until the input was read to the end
+            "expected_rows": _expected_rows(ds),
             "open_journals": od.open_journals(name),
             "damaged": [d.to_dict() for d in od.damaged_shards(name)],
         }
@@ -154,14 +157,24 @@ def _fractions() -> dict[str, Any]:
     return {"learned_fractions": entries, "fractions_from": f"prefect:{url}" if url else f"file:{default_file()}"}
 
 
+def _expected_rows(entry: dict[str, Any]) -> int | None:
+    total = entry.get("total_rows")
+    gen = entry.get("generation")
+    samples = gen.get("samples") if isinstance(gen, dict) else None
+    if not isinstance(total, int):
+        return None
+    return total * (samples if isinstance(samples, int) and samples >= 1 else 1)
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = [f"output {doc['out_dir']} (shard size {doc['shard_size']})"]
     for name, d in doc["datasets"].items():
         total = d["shards_total"] if d["shards_total"] is not None else "?"
         journals = f", open journals {d['open_journals']}" if d["open_journals"] else ""
         damaged = f", {len(d['damaged'])} damaged" if d["damaged"] else ""
-        lines.append(f"  {name}: {d['shards_committed']}/{total} shards{damaged}, {d['rows']} rows, "
-                     f"{d['rejects']} rejects{journals}")
+        expected = f" of {d['expected_rows']}" if d.get("expected_rows") is not None else ""
+        lines.append(f"  {name}: {d['shards_committed']}/{total} shards{damaged}, {d['rows'] + d['rejects']}{expected} "
+                     f"rows and rejects ({d['rows']} rows, {d['rejects']} rejects){journals}")
         lines.extend(f"    damaged shard {x['shard']} ({x['file']}): {x['problem']}" for x in d["damaged"])
     if any(d["damaged"] for d in doc["datasets"].values()):
         lines.append(f"damaged shards: run `datagen repair {doc['out_dir']}` to un-commit them; the next run "

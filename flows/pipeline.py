@@ -61,7 +61,7 @@ def progress_of(ctx: RunContext) -> Progress:
     cfg = ctx.cfg
     rows = {name: sum(1 for _ in iter_dataset(path, name)) for name, path in cfg.datasets.items()}
     return Progress(partition=cfg.name, datasets=rows, shard_size=cfg.shard_size, concurrency=cfg.concurrency,
-                    logger=get_run_logger(), flow_run_id=ctx.run_id)
+                    logger=get_run_logger(), flow_run_id=ctx.run_id, samples=cfg.samples)
 
 
 @contextmanager

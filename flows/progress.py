@@ -55,7 +55,7 @@ def _k(n: float) -> str:
 class DatasetCounts:
     """One dataset's counts: committed in the output (``rows``, ``shards``) and made by this run."""
 
-    rows_total: int  # input records, rejects included
+    rows_total: int  # rows to generate: input records (rejects included) x samples per record
     shards_total: int
     rows: int = 0
     rejects: int = 0
@@ -72,7 +72,8 @@ class Progress:
     Args:
         partition: the run's partition (the artifact key's end).
         datasets: each dataset's input records (rejects included: shard k is a fixed slice).
-        shard_size: rows per shard.
+        shard_size: input records per shard.
+        samples: rows generated per input record (``--samples``): what the rows and the ETA count.
         concurrency: requests in flight (the ETA's model); None until the first shard says how many
             the run keeps (``ShardProgress.in_flight``: twice the servers' slots by default).
         logger: where the progress lines go.
@@ -95,9 +96,10 @@ class Progress:
     _pool: ThreadPoolExecutor | None = None
     _labelled: float = 0.0  # when the run's progress label was last set (monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    samples: int = 1
 
     def __post_init__(self) -> None:
-        self.counts = {name: DatasetCounts(n, max(1, math.ceil(n / self.shard_size)))
+        self.counts = {name: DatasetCounts(n * self.samples, max(1, math.ceil(n / self.shard_size)))
                        for name, n in self.datasets.items()}
         self.eta = Eta(self.concurrency or DEFAULT_CONCURRENCY)
 

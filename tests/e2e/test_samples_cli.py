@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,14 @@ def test_run_with_samples_and_whole_conversations_then_export_each_format(tmp_pa
                          stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"completed: 14 rows in {out}" in res.stdout
+    logs = res.stdout + res.stderr
+    # progress counts what is generated, prompts x samples (7 x 2), never rows against prompts
+    assert re.search(r"progress adhoc: 1/3 shards, (2|6)/14 rows \(chats (2|6)/14\)", logs), logs[-3000:]
+    assert "DONE in " in logs and "3/3 shards, 14/14 rows (chats 14/14)" in logs
+    assert "/7 rows" not in logs
+    status = subprocess.run([DATAGEN, "status", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert "  chats: 3/3 shards, 14 of 14 rows and rejects (14 rows, 0 rejects)" in status.stdout, status.stdout
     assert committed_keys(out, "chats") == sorted((i, k) for i in ids for k in range(2))
     rows = committed_rows(out, "chats", ["messages", "turns"])
     assert all([t["message_index"] for t in row["turns"]] == [2] for row in rows)

@@ -202,6 +202,18 @@ def test_progress_tells_rates_datasets_tokens_and_its_end_state(monkeypatch: pyt
     assert q.describe().startswith("demo: FAILED (ValidationFailed) after ") and "1/2 shards, 100/200 rows" in q.describe()
 
 
+def test_progress_counts_rows_per_sample_against_prompts_times_samples() -> None:
+    # 20 prompts, 2 samples each, shards of 10 prompts: a shard holds 20 rows
+    p = Progress(partition="demo", datasets={"a": 20}, shard_size=10, concurrency=8, logger=logging.getLogger("t"),
+                 samples=2)
+    p.start({})
+    p.shard_committed(_shard("a", 0, 20))
+    assert p.describe().startswith("demo: 1/2 shards, 20/40 rows (a 20/40)") and "ETA " in p.describe()
+    p.shard_committed(_shard("a", 1, 20))
+    p.close("done")
+    assert "2/2 shards, 40/40 rows (a 40/40)" in p.describe()
+
+
 def test_steady_rate_leaves_out_the_pipeline_fill_before_the_first_commit() -> None:
     # 100 rows at 10 s (filling the pipeline), then 100 rows every 2 s: 400 rows left take 8 s.
     x = EtaInputs(elapsed_s=14.0, rows_new=400, shards_new=4, rows_left=400, shards_left=4, datasets_left=1,
