@@ -20,6 +20,7 @@ from tasks.validation._stats import (
     rate_status,
     requires,
     resplit_command,
+    setting_note,
 )
 from tasks.validation._thresholds import Thresholds
 
@@ -71,8 +72,7 @@ def judge_truncation(s: Stats, ctx: Context, thr: Thresholds) -> Check:
     return rate_check("truncation", bad, total, thr.truncation_max_rate, thr.truncation_warn_rate, thr,
                       f"finish_reason length in {pct(bad, total)} of {total} rows of {ctx.label}: outputs hit "
                       f"max_new_tokens; raise [sampling] max_new_tokens (within the context length), generate "
-                      f"truncated rows again with a larger budget ([run.truncation] retries), or accept by "
-                      f"raising truncation_max_rate")
+                      f"truncated rows again with a larger budget ([run.truncation] retries)")
 
 
 def judge_finish(s: Stats, ctx: Context, thr: Thresholds) -> Check:
@@ -139,10 +139,11 @@ def judge_tokens(s: Stats, ctx: Context, thr: Thresholds) -> Check:
     if agg_bad:
         problems.insert(0, f"{ratio:.2f} chars per completion token overall (band {band})")
     status = "fail" if agg_bad else rate_status(bad, total, thr.token_mismatch_max_rate, 0.0, thr)
+    note = "" if agg_bad else setting_note("token_counts", status, bad, total, thr)
     if not problems:
         return Check("token_counts", "pass", round(ratio, 3), band,
                      f"token counts consistent with the text ({ratio:.2f} chars/token)", 0, total)
     return Check("token_counts", status, round(ratio, 3), band,
                  f"token counts inconsistent with the text in {ctx.label}{example_note(s)}: " + "; ".join(problems)
                  + "; the writer took counts from another field or row (meta_info.prompt_tokens/"
-                 "completion_tokens of the same response)", bad, total)
+                 "completion_tokens of the same response)" + note, bad, total)

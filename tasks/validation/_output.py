@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -26,7 +27,7 @@ from tasks.validation._results import (
     ShardValidation,
     ValidationReport,
 )
-from tasks.validation._stats import Stats, duplicates, merge, needs, ranges, row_keys, short
+from tasks.validation._stats import RATE_SETTINGS, Stats, duplicates, merge, needs, ranges, row_keys, short
 from tasks.validation._thresholds import Thresholds
 
 MANIFEST_NAME = "_manifest.json"
@@ -164,6 +165,17 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     return result, (row_keys(table) if needs(table, "id", "sample") is None else None)
 
 
+def judged_with_dataset(check: Check, thr: Thresholds) -> Check:
+    """A small shard's rate check is judged with its dataset, not alone: a shard of fewer than
+    ``min_rows_for_rate`` rows (the last of a dataset, or one mostly rejected) fails no rate check; its
+    finding warns, and the dataset's totals (the final validation) decide."""
+    if check.name not in RATE_SETTINGS or check.status != "fail" or check.rows >= thr.min_rows_for_rate:
+        return check
+    return dataclasses.replace(check, status="warn", message=(
+        f"{check.message.split('; the limit is [validation]')[0]}; a shard of {check.rows} rows (under "
+        f"min_rows_for_rate {thr.min_rows_for_rate}) is judged with its dataset, not alone"))
+
+
 def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
                    thresholds: Thresholds | None = None) -> ShardValidation:
     """Validate one committed shard (row checks plus ``complete`` against the manifest).
@@ -283,6 +295,7 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
         ids: list[pa.ChunkedArray] = []
         for key in sorted((entry.get("shards") or {}), key=int):
             result, idcol = _validate_shard(out, manifest, name, int(key), thr, with_samples=not shards)
+            result.checks = [judged_with_dataset(c, thr) for c in result.checks]  # the totals below decide
             if idcol is not None:
                 ids.append(idcol)
             samples.extend(result.samples)

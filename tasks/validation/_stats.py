@@ -155,22 +155,56 @@ def duplicates(ids: pa.ChunkedArray | pa.Array) -> tuple[int, list[str]]:
 
 
 # -------------------------------------------------------------------------------------------- judges
+def enough_evidence(bad: int, total: int, thr: Thresholds) -> bool:
+    """Whether ``bad`` breaching rows of ``total`` are evidence enough for a rate to fail: at least
+    ``min_breaches`` of them, and every row when there are fewer than ``min_rows_for_rate``."""
+    return bad >= thr.min_breaches and (total >= thr.min_rows_for_rate or bad == total)
+
+
 def rate_status(bad: int, total: int, fail_rate: float, warn_rate: float, thr: Thresholds) -> str:
     if total == 0 or bad == 0:
         return "pass"
     rate = bad / total
     if rate > fail_rate:
-        # A small sample only fails when every row breaches (see the package docstring).
-        if total >= thr.min_rows_for_rate or bad == total:
-            return "fail"
-        return "warn"
+        # Below the evidence bar a rate over a few rows says nothing: it warns (see Thresholds).
+        return "fail" if enough_evidence(bad, total, thr) else "warn"
     return "warn" if rate > warn_rate else "pass"
+
+
+# The [validation] setting that bounds each rate check (named in its failing and below-the-bar messages).
+RATE_SETTINGS = {
+    "reasoning_present": "reasoning_missing_max_rate",
+    "tag_leak": "tag_leak_max_rate",
+    "empty_content": "empty_content_max_rate",
+    "truncation": "truncation_max_rate",
+    "finish_reason": "abort_max_rate",
+    "token_counts": "token_mismatch_max_rate",
+}
+
+
+def setting_note(name: str, status: str, bad: int, total: int, thr: Thresholds) -> str:
+    """What a rate check's message adds: the setting and how to accept the output when it fails; the
+    evidence bar when the rate is over the limit but too few rows breach."""
+    setting = RATE_SETTINGS.get(name)
+    if setting is None or status == "pass":
+        return ""
+    limit = getattr(thr, setting)
+    if status == "fail":
+        return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition "
+                f"and rerun `datagen run` (what is committed is kept; a complete output is judged again without "
+                f"generating anything)")
+    if bad / total > limit and not enough_evidence(bad, total, thr):
+        return (f"; over [validation] {setting} = {limit:g}, but {bad} of {total} row(s) is below the evidence bar "
+                f"(min_breaches {thr.min_breaches}, min_rows_for_rate {thr.min_rows_for_rate}): a warning, not a failure")
+    return ""
 
 
 def rate_check(name: str, bad: int, total: int, fail_rate: float, warn_rate: float, thr: Thresholds,
                message: str) -> Check:
-    """A rate check with breaching rows: the rate is the value, the status from ``rate_status``."""
-    return Check(name, rate_status(bad, total, fail_rate, warn_rate, thr), bad / total, fail_rate, message,
+    """A rate check with breaching rows: the rate is the value, the status from ``rate_status``; the
+    message names the setting when it fails or is over its limit below the evidence bar."""
+    status = rate_status(bad, total, fail_rate, warn_rate, thr)
+    return Check(name, status, bad / total, fail_rate, message + setting_note(name, status, bad, total, thr),
                  bad, total)
 
 

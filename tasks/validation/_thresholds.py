@@ -19,8 +19,11 @@ class Thresholds:
     ``length`` finishes, ``abort`` finishes, rows with token counts inconsistent with their text.
     ``chars_per_token_min/max``: the band of characters per completion token, for the shard as a whole
     and for rows with at least ``token_ratio_min_tokens`` tokens. ``resplit_sample_rows``: rows per
-    shard re-split in Python (0 = all). ``min_rows_for_rate``: below it a rate check fails only when
-    every row breaches. ``allow_mixed_server``: mixed server fingerprints only warn;
+    shard re-split in Python (0 = all). The evidence bar of every rate check (the canary's, the shard
+    gate's, the final validation's): a rate fails only on at least ``min_breaches`` breaching rows,
+    and on fewer than ``min_rows_for_rate`` rows only when every row breaches; below the bar it
+    warns. A shard of fewer than ``min_rows_for_rate`` rows is judged with its dataset (its own rate
+    checks warn at most). ``allow_mixed_server``: mixed server fingerprints only warn;
     ``allow_mixed_provenance``: mixed model revisions or chat templates only warn. ``min_rows``: a
     dataset with fewer rows fails (an empty or all-rejected input must not pass, nor move ``latest``);
     ``reject_max_rate``/``reject_warn_rate``: input rows sent to ``_rejects/`` among all input rows.
@@ -42,6 +45,7 @@ class Thresholds:
     token_ratio_min_tokens: int = 16
     resplit_sample_rows: int = 64  # per shard; 0 = every row
     min_rows_for_rate: int = 20
+    min_breaches: int = 3
     allow_mixed_server: bool = False
     allow_mixed_provenance: bool = False
     min_rows: int = 1

@@ -43,12 +43,12 @@ def _damage(out: Path) -> None:
 def test_status_lists_missing_and_changed_shards_and_exits_1(output: Path) -> None:
     proc = _datagen("status", str(output))
     assert proc.returncode == 0, proc.stderr
-    assert "  ds: 4/4 shards, 40 rows, 8 rejects" in proc.stdout
+    assert "  ds: 4/4 shards, 48 of 48 rows and rejects (40 rows, 8 rejects)" in proc.stdout
     _damage(output)
     proc = _datagen("status", str(output))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert "  ds: 4/4 shards, 2 damaged, 40 rows, 8 rejects" in lines
+    assert "  ds: 4/4 shards, 2 damaged, 48 of 48 rows and rejects (40 rows, 8 rejects)" in lines
     assert "    damaged shard 1 (ds/shard-00001.parquet): the file is missing" in lines
     changed = [x for x in lines if x.startswith("    damaged shard 3 (ds/shard-00003.parquet): sha256 ")]
     assert len(changed) == 1 and changed[0].endswith("(changed after commit)")
@@ -81,7 +81,7 @@ def test_repair_uncommits_exactly_the_damaged_shards(output: Path) -> None:
     assert {k: (output / "ds" / f"shard-0000{k}.parquet").read_bytes() for k in (0, 2)} == intact
     assert sorted({r["shard"] for r in OutputDir(output).read_rejects("ds")}) == [0, 2]
     proc = _datagen("status", str(output))
-    assert proc.returncode == 0 and "  ds: 2/4 shards, 20 rows, 4 rejects" in proc.stdout
+    assert proc.returncode == 0 and "  ds: 2/4 shards, 24 of 48 rows and rejects (20 rows, 4 rejects)" in proc.stdout
     proc = _datagen("repair", str(output))
     assert proc.returncode == 0
     assert proc.stdout.strip() == f"{output}: every committed shard matches the manifest; nothing to repair"

@@ -15,6 +15,13 @@ from tests.support.outputs import make_row
 N = 32
 
 
+def accept(setting: str, limit: float) -> str:
+    """What a failing rate check's message ends with: its setting, and how to accept the rows."""
+    return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition and "
+            "rerun `datagen run` (what is committed is kept; a complete output is judged again without generating "
+            "anything)")
+
+
 def _opened_think(parser: str | None) -> list[dict[str, Any]]:
     """Rows of a chat template that opens the think block, split with ``parser`` (not one that sees it)."""
     rows = []
@@ -35,7 +42,8 @@ def test_wrong_parser_stops_with_the_shard_gate_message_style() -> None:
         "reasoning empty in 100% of 32 rows of the first rows of prompts (e.g. id prompts-000000): the prompt "
         "opens the think block (chat template) and the raw output uses the <think>…</think> format but parser "
         "is mistral; fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then run again "
-        "(nothing of prompts was committed, so nothing needs re-splitting) (also failing: tag_leak); stopped by the canary on the first rows "
+        "(nothing of prompts was committed, so nothing needs re-splitting)" + accept("reasoning_missing_max_rate", 0.05)
+        + " (also failing: tag_leak); stopped by the canary on the first rows "
         "([validation] canary_rows)"
     )
     assert info.value.report.rows == N

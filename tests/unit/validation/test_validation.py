@@ -32,6 +32,13 @@ from tests.support.paths import REPO_ROOT
 ROOT = REPO_ROOT
 
 
+def accept(setting: str, limit: float) -> str:
+    """What a failing rate check's message ends with: its setting, and how to accept the rows."""
+    return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition and "
+            "rerun `datagen run` (what is committed is kept; a complete output is judged again without generating "
+            "anything)")
+
+
 def by_name(checks: list[Check]) -> dict[str, Check]:
     return {c.name: c for c in checks}
 
@@ -82,7 +89,7 @@ def test_empty_reasoning_everywhere_stops_the_gate_with_one_message(tmp_path):
     assert err.value.message == (
         "reasoning empty in 100% of 500 rows of shard 0 of glaive (e.g. id glaive-000000): the prompt opens "
         "the think block (chat template) and the raw output uses the <think>…</think> format but parser is none; fix the reasoning parser (one of deepseek-r1, qwen3, "
-        f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME` (also failing: tag_leak)"
+        f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME`" + accept("reasoning_missing_max_rate", 0.05) + " (also failing: tag_leak)"
     )
     assert failing(err.value.report.checks) == ["reasoning_present", "tag_leak"]
     # The artifact's markdown shows the tags as written (the UI would swallow a bare <think>).
@@ -109,7 +116,7 @@ def test_think_in_prompt_with_parser_that_was_not_forced(tmp_path):
     assert checks["reasoning_present"].message == (
         "reasoning empty in 100% of 40 rows of shard 0 of glaive (e.g. id glaive-000000): the raw output "
         "holds </think> but the split did not use it (parser qwen3, think_in_prompt taken into account?); "
-        f"run `datagen resplit {out} --parser qwen3`")
+        f"run `datagen resplit {out} --parser qwen3`" + accept("reasoning_missing_max_rate", 0.05))
     assert checks["resplit"].status == "fail"
     assert checks["tag_leak"].status == "fail"
 
@@ -125,7 +132,7 @@ def test_tags_leaking_into_content(tmp_path):
         "<think> left in content of 100% of 50 rows of shard 0 of glaive (e.g. id glaive-000000): the "
         "model writes <think> but no reasoning parser is set; fix the reasoning parser (one of "
         "deepseek-r1, qwen3, qwen3-thinking, glm45, kimi_k2, minimax, step3, nemotron_3, interns1; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then "
-        f"`datagen resplit {out} --parser NAME`")
+        f"`datagen resplit {out} --parser NAME`" + accept("tag_leak_max_rate", 0.01))
 
 
 def test_wrong_parser_family_leaks_and_misses_reasoning(tmp_path):
@@ -211,7 +218,7 @@ def test_truncation_above_threshold(tmp_path):
     assert checks["truncation"].message == (
         "finish_reason length in 20% of 50 rows of shard 0 of glaive: outputs hit max_new_tokens; raise "
         "[sampling] max_new_tokens (within the context length), generate truncated rows again with a larger "
-        "budget ([run.truncation] retries), or accept by raising truncation_max_rate")
+        "budget ([run.truncation] retries)" + accept("truncation_max_rate", 0.1))
     # Below the threshold it only warns; a partition may raise the threshold.
     assert by_name(validate_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA),
                                   Thresholds.from_dict({"truncation_max_rate": 0.25})))["truncation"].status == "warn"
