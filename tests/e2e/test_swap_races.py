@@ -9,7 +9,7 @@ Prefect server and the emulator, `datagen repair`, `resplit`, `export`) several 
 - the decoy and the sibling output are as they were, to the inode (``snapshot``);
 - the command either finished or was refused with exit 2 naming the link;
 - once the operator undoes the swap, the next command finishes and every input row is committed
-  exactly once: no committed row was lost.
+  exactly once: no committed row was lost (for `datagen run`, after the second attempt of each case).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from tests.support.swap import IN_CREATE, IN_OPEN, swap_on
 
 pytestmark = pytest.mark.slow
 
-ATTEMPTS = 2  # per `datagen run` case: each is a whole run (about 10 s); the quick commands try 4 times
 QUICK_ATTEMPTS = 4
 STORM_S = 1.0  # an attacker swapping back and forth as fast as it can, from the moment on
 SENTINEL = b"a file that is not this output's\n"
@@ -143,10 +142,11 @@ def test_datagen_run_never_follows_a_swapped_directory(prefect_server: PrefectSe
         assert snapshot(elsewhere) == before["elsewhere"], case
         assert snapshot(sibling) == before["sibling"], case
         _undo(parked, link)
-        again = _run(cmd, env)
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert_exactly_once(out, ids)
-        assert snapshot(sibling) == before["sibling"]
+        if attempt == len(moments) - 1:  # once per case (a whole run each): nothing committed was lost
+            again = _run(cmd, env)
+            assert again.returncode == 0, again.stderr[-3000:]
+            assert_exactly_once(out, ids)
+            assert snapshot(sibling) == before["sibling"]
 
 
 @pytest.fixture(scope="module")
