@@ -46,6 +46,11 @@ def measure_reasoning(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
         "missing_think_in_prompt": 0,
         "parsers": counts(table.column("reasoning_parser").filter(expected)) if n_missing else {},
         "tags_in_raw": {},
+        "tag_examples": {},  # end tag -> a row missing reasoning whose raw holds it
+        "plain_example": None,  # a row missing reasoning whose raw holds no end tag
+        "resplit_probe": 0,  # rows holding the tag re-split with the parser that fits them
+        "resplit_gain": 0,  # of those, rows that get reasoning from it
+        "probe_parser": None,
         "example": None,
     }
     if n_missing:
@@ -57,15 +62,48 @@ def measure_reasoning(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
         # template opened another family's think block, so read the prompt text as well.
         prompts = (pc.utf8_rtrim_whitespace(table.column("prompt").filter(missing))
                    if "prompt" in table.column_names else None)
+        ids_missing = table.column("id").filter(missing)
+        tagged: pa.ChunkedArray | None = None
         for start, end in TAG_FAMILIES:
-            hits = count_true(pc.match_substring(raw_missing, end))
+            holds = pc.fill_null(pc.match_substring(raw_missing, end), False)
+            hits = count_true(holds)
             if hits:
                 stats["tags_in_raw"][end] = hits
+                stats["tag_examples"][end] = str(ids_missing.filter(holds)[0].as_py())
+                tagged = holds if tagged is None else pc.or_(tagged, holds)
                 if prompts is not None:
                     opened = count_true(pc.fill_null(pc.ends_with(prompts, start), False))
                     stats["missing_think_in_prompt"] = max(stats["missing_think_in_prompt"], opened)
+        plain = ids_missing if tagged is None else ids_missing.filter(pc.invert(tagged))
+        stats["plain_example"] = str(plain[0].as_py()) if len(plain) else None
         stats["example"] = first_id(table, missing)
+        if stats["tags_in_raw"]:
+            _probe_resplit(table.filter(missing).filter(tagged), stats)
     return stats
+
+
+RESPLIT_PROBE_ROWS = 64
+
+
+def _probe_resplit(rows: pa.Table, stats: Stats) -> None:
+    """Re-split (a sample of) the rows that hold the dominant end tag with the parser that fits it (the
+    row's own when it does), counting the rows that would get reasoning: a suggested `datagen resplit`
+    says how many rows it changes, and is not suggested when it changes none."""
+    end = max(stats["tags_in_raw"].items(), key=lambda kv: kv[1])[0]
+    fits = next(p for (_st, en), p in TAG_FAMILIES.items() if en == end)
+    sample = rows.select(["raw", "reasoning_parser", "think_in_prompt"]).take(
+        _sample_indices(rows.num_rows, RESPLIT_PROBE_ROWS)).to_pylist()
+    for row in sample:
+        parser = row["reasoning_parser"] if row["reasoning_parser"] in fits else fits[0]
+        stats["probe_parser"] = stats["probe_parser"] or parser
+        try:
+            reasoning, _ = split_reasoning(row["raw"], parser, force_reasoning=True if row["think_in_prompt"] else None)
+        except ValueError:
+            continue
+        if end not in (row["raw"] or ""):
+            continue
+        stats["resplit_probe"] += 1
+        stats["resplit_gain"] += bool(reasoning and reasoning.strip())
 
 
 def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
@@ -79,17 +117,28 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
     parser = majority(s["parsers"])
     head = f"reasoning empty in {pct(bad, total)} of {total} rows of {ctx.label}"
     resplit = resplit_command(ctx)
-    if s["tags_in_raw"]:
-        end = max(s["tags_in_raw"].items(), key=lambda kv: kv[1])[0]
+    tagged = sum(s["tags_in_raw"].values())
+    end = max(s["tags_in_raw"].items(), key=lambda kv: kv[1])[0] if tagged else ""
+    probe, gain = s.get("resplit_probe", 0), s.get("resplit_gain", 0)
+    changes = (f" (re-split with {s.get('probe_parser')}, {gain} of the {probe} of these rows checked get reasoning)"
+               if gain and ctx.committed else "")
+    example = s.get("plain_example") or s.get("example")
+    if tagged * 2 > bad:  # most of the rows hold an end tag: the split is what went wrong
+        example = (s.get("tag_examples") or {}).get(end) or s.get("example")
         start = next(st for (st, en) in TAG_FAMILIES if en == end)
         fits = next(p for (st, en), p in TAG_FAMILIES.items() if en == end)
         opener = ("the prompt opens the think block (chat template) and "
                   if s["missing_think_in_prompt"] * 2 > bad else "")
         cause = (f"{opener}the raw output uses the {start}…{end} format but parser is {parser}; "
-                 f"{fix_parser(', '.join(fits[:3]))}, then {resplit}")
+                 f"{fix_parser(', '.join(fits[:3]))}, then {resplit}{changes}")
         if parser != "none" and parser in fits:
             cause = (f"the raw output holds {end} but the split did not use it (parser {parser}, "
-                     f"think_in_prompt taken into account?); {'run ' if ctx.committed else ''}{resplit_command(ctx, parser)}")
+                     f"think_in_prompt taken into account?); {'run ' if ctx.committed else ''}"
+                     f"{resplit_command(ctx, parser)}{changes}")
+            if probe and not gain:  # the same parser on the same text: a resplit would change nothing
+                cause = (f"the raw output holds {end} but splitting it with {parser} gives no reasoning either "
+                         f"(re-split {probe} of these rows to check): the think blocks are empty or the text "
+                         f"before {end} is not reasoning; check the model's chat template and stop strings")
     elif s["missing_think_in_prompt"] * 2 > bad:
         cause = (f"the prompt opens the think block (chat template) but parser is {parser} and the "
                  f"output was not treated as reasoning; {fix_parser()}, then {resplit}")
@@ -99,8 +148,16 @@ def judge_reasoning(s: Stats, ctx: Context, thr: Thresholds) -> Check:
     else:
         cause = (f"parser is {parser} but the model wrote no reasoning block; if this model does not "
                  f"reason drop the parser (then {resplit}), else check its chat template")
+    if 0 < tagged * 2 <= bad:  # a few rows hold the tag: said, with what re-splitting them would change
+        minority = f"{tagged} of these rows hold {end}"
+        if gain and s.get("probe_parser"):
+            cause += (f"; {minority}: `datagen resplit` with --parser {s['probe_parser']} gives reasoning to {gain} of "
+                      f"the {probe} checked")
+        elif probe:
+            cause += f"; {minority}, but re-splitting them gives no reasoning either"
+    note = f" (e.g. id {example})" if example else ""
     return rate_check("reasoning_present", bad, total, thr.reasoning_missing_max_rate,
-                      thr.reasoning_missing_warn_rate, thr, f"{head}{example_note(s)}: {cause}")
+                      thr.reasoning_missing_warn_rate, thr, f"{head}{note}: {cause}")
 
 
 # tag leak -----------------------------------------------------------------------------------------

@@ -60,8 +60,11 @@ def test_empty_reasoning_bug_stops_before_twice_the_concurrency(tmp_path: Path, 
         r"format but parser is mistral; fix the reasoning parser \(one of deepseek-r1, qwen3, qwen3-thinking; "
         + re.escape("set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] "
                     "reasoning_parser in the partition") + r"\), then "
-        + re.escape("run again (nothing of prompts was committed, so nothing needs re-splitting) (also failing: "
-                    "tag_leak); stopped by the canary on the first rows ([validation] canary_rows)\n"), run.stderr), \
+        + re.escape("run again (nothing of prompts was committed, so nothing needs re-splitting); the limit is "
+                    "[validation] reasoning_missing_max_rate = 0.05: to accept such rows raise it in the partition and "
+                    "rerun `datagen run` (what is committed is kept; a complete output is judged again without "
+                    "generating anything) (also failing: tag_leak); stopped by the canary on the first rows "
+                    "([validation] canary_rows)\n"), run.stderr), \
         run.stderr[-3000:]
     assert "resplit" not in run.stderr  # nothing was committed: nothing to re-split (issue 25 item 2)
     # The validation report leads with the stop and its checks, and judges neither `complete` nor

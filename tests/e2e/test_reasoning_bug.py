@@ -148,7 +148,10 @@ def test_empty_reasoning_stops_at_shard_0_then_resplit_and_rerun_complete(tmp_pa
         "think block (chat template) and the raw output uses the <think>…</think> format but parser is mistral; "
         "fix the reasoning parser (one of deepseek-r1, qwen3, qwen3-thinking; "
         "set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then "
-        f"`datagen resplit {out} --parser NAME` (also failing: tag_leak)"
+        f"`datagen resplit {out} --parser NAME` (re-split with deepseek-r1, {SHARD} of the {SHARD} of these rows "
+        "checked get reasoning); the limit is [validation] reasoning_missing_max_rate = 0.05: to accept such rows raise "
+        "it in the partition and rerun `datagen run` (what is committed is kept; a complete output is judged again "
+        "without generating anything) (also failing: tag_leak)"
     )
     assert f"datagen run: run failed: {message}\n" in first.stderr
     manifest = json.loads((out / "_manifest.json").read_text())

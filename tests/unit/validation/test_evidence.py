@@ -90,3 +90,30 @@ def test_a_small_last_shard_that_breaches_alone_is_judged_with_its_dataset(tmp_p
     alone = write_output(tmp_path / "alone", {"ds": [[_empty(r) for r in clean_rows("ds", 5)]]}, shard_size=20)
     failed = {c.name: c for c in validate_output(alone).datasets[0].checks}["empty_content"]
     assert failed.status == "fail" and "the limit is [validation] empty_content_max_rate = 0.2" in failed.message
+
+
+# Issue 48 item 3: a hint is checked before it is printed.
+def test_the_missing_reasoning_hint_names_a_row_that_shows_it_and_never_suggests_a_resplit_that_changes_nothing(
+        tmp_path) -> None:
+    from tests.support.outputs import make_row
+
+    # 57 rows without a think block, 3 whose raw holds </think> without its opening tag: qwen3 (not
+    # forced) gives no reasoning for either, so re-splitting with qwen3 changes nothing
+    rows = [make_row("ds", i, raw=f"A plain answer {i}.") for i in range(57)]
+    rows += [make_row("ds", i, raw=f"half a thought {i}</think> and an answer") for i in range(57, 60)]
+    out = write_output(tmp_path / "out", {"ds": [rows]}, shard_size=60)
+    check = {c.name: c for c in validate_output(out).datasets[0].checks}["reasoning_present"]
+    assert check.status == "fail"
+    assert check.message.startswith(
+        "reasoning empty in 100% of 60 rows of ds (e.g. id ds-000000): parser is qwen3 but the model wrote no "
+        "reasoning block; if this model does not reason drop the parser (then `datagen resplit")
+    assert "3 of these rows hold </think>, but re-splitting them gives no reasoning either" in check.message
+    assert "--parser qwen3`" not in check.message
+    # most rows hold the tag and the stored split missed it: the resplit is suggested, with what it changes
+    split_wrong = [{**make_row("ds", i), "reasoning": None, "content": make_row("ds", i)["raw"]} for i in range(30)]
+    out2 = write_output(tmp_path / "out2", {"ds": [split_wrong]}, shard_size=30)
+    check2 = {c.name: c for c in validate_output(out2).datasets[0].checks}["reasoning_present"]
+    assert check2.message.startswith("reasoning empty in 100% of 30 rows of ds (e.g. id ds-000000): the raw output "
+                                     "holds </think> but the split did not use it (parser qwen3")
+    assert (f"run `datagen resplit {out2} --parser qwen3` (re-split with qwen3, 30 of the 30 of these rows checked get "
+            "reasoning)") in check2.message

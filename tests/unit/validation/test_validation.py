@@ -89,7 +89,7 @@ def test_empty_reasoning_everywhere_stops_the_gate_with_one_message(tmp_path):
     assert err.value.message == (
         "reasoning empty in 100% of 500 rows of shard 0 of glaive (e.g. id glaive-000000): the prompt opens "
         "the think block (chat template) and the raw output uses the <think>…</think> format but parser is none; fix the reasoning parser (one of deepseek-r1, qwen3, "
-        f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME`" + accept("reasoning_missing_max_rate", 0.05) + " (also failing: tag_leak)"
+        f"qwen3-thinking; set by --reasoning-parser, the reasoning_parser flow parameter in the Prefect UI or [model] reasoning_parser in the partition), then `datagen resplit {out} --parser NAME` (re-split with deepseek-r1, 64 of the 64 of these rows checked get reasoning)" + accept("reasoning_missing_max_rate", 0.05) + " (also failing: tag_leak)"
     )
     assert failing(err.value.report.checks) == ["reasoning_present", "tag_leak"]
     # The artifact's markdown shows the tags as written (the UI would swallow a bare <think>).
@@ -116,7 +116,7 @@ def test_think_in_prompt_with_parser_that_was_not_forced(tmp_path):
     assert checks["reasoning_present"].message == (
         "reasoning empty in 100% of 40 rows of shard 0 of glaive (e.g. id glaive-000000): the raw output "
         "holds </think> but the split did not use it (parser qwen3, think_in_prompt taken into account?); "
-        f"run `datagen resplit {out} --parser qwen3`" + accept("reasoning_missing_max_rate", 0.05))
+        f"run `datagen resplit {out} --parser qwen3` (re-split with qwen3, 40 of the 40 of these rows checked get reasoning)" + accept("reasoning_missing_max_rate", 0.05))
     assert checks["resplit"].status == "fail"
     assert checks["tag_leak"].status == "fail"
 
