@@ -14,7 +14,18 @@ from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
 from tasks.run import RunContext
 
-__all__ = ["hygiene"]
+__all__ = ["hygiene", "no_gpu_ways"]
+
+
+def no_gpu_ways(model_path: str | None) -> str:
+    """Every way on from a host without a GPU, each one that works as written."""
+    model = model_path or "MODEL_DIR"
+    return ("the ways on: run where the GPUs are ([server] targets = [\"ssh://user@gpu-host\"] in a partition, "
+            "`datagen run --partition FILE.toml`); use a server already running elsewhere (--server-url "
+            "http://host:port); SGLang on this CPU, slow but real (start `python -m sglang.launch_server "
+            f"--model-path {model} --device cpu --port 30000` and pass --server-url http://127.0.0.1:30000: "
+            "datagen launches servers on GPUs only); or try the pipeline on the emulator (--backend emulator: "
+            "simulated GPUs are created under the output)")
 
 
 @task(task_run_name=run_name("hygiene-{phase}-{host}-{gpus}"), cache_policy=NONE)
@@ -38,9 +49,7 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
         emulator = ctx.cfg.server.launch.backend == "emulator"
         raise NoGpus(f"no GPU can be read on {ctx.host} ({report.error}); "
                      + ("set [sim_gpus] in the partition or DATAGEN_SIM_GPUS to simulated GPUs for the emulator"
-                        if emulator else
-                        "on a machine without GPUs try the pipeline on the emulator: add --backend emulator "
-                        "(simulated GPUs are created under the output)"), report)
+                        if emulator else no_gpu_ways(ctx.cfg.model_path)), report)
     if not report.clean:
         raise GpusNotClean(f"GPUs on {ctx.host} not verified clean ({report.verdict}):\n{summary}")
     return report.to_dict()

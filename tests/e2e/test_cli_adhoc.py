@@ -113,7 +113,12 @@ def test_a_machine_without_gpus_is_told_once_how_to_run_instead_not_retried(tmp_
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("datagen run: run failed: no GPU can be read on "), last
-    assert last.endswith("on a machine without GPUs try the pipeline on the emulator: add --backend emulator "
-                         "(simulated GPUs are created under the output)"), last
+    model = REPO_ROOT / "data/models/demo"
+    assert last.endswith(
+        "the ways on: run where the GPUs are ([server] targets = [\"ssh://user@gpu-host\"] in a partition, `datagen run "
+        "--partition FILE.toml`); use a server already running elsewhere (--server-url http://host:port); SGLang on "
+        f"this CPU, slow but real (start `python -m sglang.launch_server --model-path {model} --device cpu --port "
+        "30000` and pass --server-url http://127.0.0.1:30000: datagen launches servers on GPUs only); or try the "
+        "pipeline on the emulator (--backend emulator: simulated GPUs are created under the output)"), last
     assert "Retrying" not in res.stderr and res.stderr.count("hygiene before-launch") == 1
     assert not list(out.glob("*/shard-*.parquet"))

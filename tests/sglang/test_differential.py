@@ -18,6 +18,7 @@ import asyncio
 import json
 import re
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ from tests.support.inference import (
     turns_on_disk,
     write_conversations,
 )
+from tests.support.paths import REPO_ROOT
 from tests.support.runs import kill_after_first_commit
 from tests.support.sglang import (
     CONTEXT,
@@ -604,6 +606,9 @@ def test_killed_samples_run_resumes_with_the_identical_command(
     again = run_datagen(tmp_path, argv, DATAGEN_API_KEY=live.key)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"completed: 36 rows in {out}" in again.stdout
+    # progress counts what is generated, prompts x samples (issue 48 item 2), never rows against prompts
+    said = again.stdout + again.stderr
+    assert "6/6 shards, 36/36 rows (ds 36/36)" in said and "/12 rows" not in said, said[-3000:]
     assert committed_keys(out, "ds") == sorted((i, k) for i in ids for k in range(3))
     last = run_summaries(tmp_path)[-1]
     # the resume generated exactly the missing (id, sample) pairs, TOKENS tokens each
@@ -615,6 +620,27 @@ def test_killed_samples_run_resumes_with_the_identical_command(
     card = (out / "README.md").read_text()
     assert "used an SGLang server it did not launch (`--server-url`: no GPU hygiene" in card
     assert "cleaned the GPUs" not in card
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_a_host_without_gpus_runs_on_sglang_on_its_cpu_through_server_url(
+        tmp_path: Path, sim_gpus: SimGpus, sglang_env: Path, tiny_model: Path, live: Live) -> None:
+    """The way on that the no-GPU error names (issue 48 item 4): SGLang started on the CPU by hand, and
+    `datagen run --server-url` on a host where no GPU can be read (no driver, no simulated GPUs)."""
+    data = tmp_path / "prompts.jsonl"
+    ids = write_prompts(data, 4)
+    out = tmp_path / "out"
+    argv = [DATAGEN, "run", "--partition", str(run_partition(tmp_path, data, tiny_model, sglang_env, shard=2)),
+            "--server-url", live.handle.url, "--out", str(out)]
+    env = run_env(tmp_path, DATAGEN_API_KEY=live.key)
+    env.pop(ENV_VAR)
+    res = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"completed: 4 rows in {out}" in res.stdout
+    assert committed_keys(out, "ds") == sorted((i, 0) for i in ids)
+    assert "no GPU can be read" not in res.stderr
 
 
 @pytest.mark.sglang
