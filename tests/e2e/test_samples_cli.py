@@ -57,3 +57,52 @@ def test_run_with_samples_and_whole_conversations_then_export_each_format(tmp_pa
         turns = records[0]["conversations" if fmt != "openai-messages" else "messages"]
         # system, user, the model's turn, user, the model's last turn
         assert len(turns) == 5 and not any("original answer" in str(t) for t in turns)
+
+
+KEEPS_REASONING = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+                   "{%- if m.role == 'assistant' and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + "
+                   "'\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_export_checks_what_the_trainer_sees_with_the_targets_chat_template(tmp_path: Path) -> None:
+    """Issue 48 item 5: the demo model's template ignores reasoning_content, so a drafter trained on the
+    specforge export would learn the answers only: the export says so with the share, --strict refuses it;
+    with a template that renders the reasoning, nothing is said."""
+    gpus = SimGpus.init(tmp_path / "sim-gpus.json", count=1)
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}]})
+                           + "\n" for i in range(12)))
+    out, env = tmp_path / "out", cli_env(tmp_path, gpus.path)
+    demo = REPO_ROOT / "data/models/demo"
+    res = subprocess.run([DATAGEN, "run", "--input", str(inp), "--model-path", str(demo), "--backend", "emulator",
+                          "--out", str(out), "--shard-size", "6"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=400, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    reasoned = sum(1 for r in committed_rows(out, "prompts", ["reasoning", "finish_reason"])
+                   if r["reasoning"] and r["finish_reason"] == "stop")
+    assert reasoned > 0
+
+    def export(target: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([DATAGEN, "export", str(out), "--format", "specforge", "--out", str(target), *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    drops = export(tmp_path / "drops.jsonl", "--tokenizer", str(demo))
+    assert drops.returncode == 0, drops.stderr
+    assert (f"reasoning survives in 0 of {reasoned} rows with reasoning (0%)") in drops.stderr, drops.stderr
+    assert f"datagen export: warning: the chat template of {demo}" in drops.stderr
+    assert f"drops reasoning_content in {reasoned} of {reasoned} rows" in drops.stderr
+
+    strict = export(tmp_path / "strict.jsonl", "--tokenizer", str(demo), "--strict")
+    assert strict.returncode == 2, strict.stderr
+    assert strict.stderr.strip().endswith("; nothing was written (--strict)")
+    assert not (tmp_path / "strict.jsonl").exists()
+
+    keeps = tmp_path / "keeps-model"
+    keeps.mkdir()
+    config = json.loads((demo / "tokenizer_config.json").read_text())
+    (keeps / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": KEEPS_REASONING}))
+    kept = export(tmp_path / "keeps.jsonl", "--tokenizer", str(keeps), "--strict")
+    assert kept.returncode == 0, kept.stderr
+    assert f"reasoning survives in {reasoned} of {reasoned} rows with reasoning (100%)" in kept.stderr
+    assert "warning" not in kept.stderr
