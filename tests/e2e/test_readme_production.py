@@ -175,7 +175,8 @@ def test_production_steps_run_as_written(tmp_path: Path) -> None:
 
         status = _section(text, steps.index(".venv/bin/datagen status data/out/demo"))
         assert f"output {DEMO_OUT} (shard size 100)" in status or "output data/out/demo (shard size 100)" in status
-        for line in ("  glaive_like: 3/3 shards, 300 rows, 0 rejects", "  opencode_like: 3/3 shards, 300 rows, 0 rejects",
+        for line in ("  glaive_like: 3/3 shards, 300 of 300 rows and rejects (300 rows, 0 rejects)",
+                     "  opencode_like: 3/3 shards, 300 of 300 rows and rejects (300 rows, 0 rejects)",
                      "lock: free"):
             assert line in status.splitlines(), status
         assert any(x.startswith("validation: pass (600 rows, validated ") for x in status.splitlines()), status
