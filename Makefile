@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install bytecode demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu ui-shots
+.PHONY: install bytecode demo test lint unit bench bench-quick chaos chaos-quick up down clean sglang-cpu specforge-env ui-shots
 
 # uv installs from its cache in about 3 s where pip takes about 50 s (CI starts from a fresh clone); pip
 # does it when uv cannot be had. The venv is made without pip (ensurepip took 4.5 s of a fresh clone's
@@ -50,6 +50,11 @@ $(SGLANG_STAMP): tests/sglang/env/build.sh tests/sglang/env/requirements.txt tes
 	PYTHON=$(PYTHON) tests/sglang/env/build.sh $(SGLANG_VENV)
 
 sglang-cpu: $(SGLANG_STAMP)
+
+# SpecForge 0.2.0's data path for the `specforge` tier (tests/specforge): its own build_eagle3_dataset
+# loads datagen's export. A separate interpreter; built once per recipe outside the checkout.
+specforge-env:
+	PYTHON=$(PYTHON) tests/specforge/build.sh .venv-specforge
 
 demo: $(STAMP)
 	$(VENV)/bin/datagen demo

@@ -61,9 +61,9 @@ class TemplateCheck:
             return None
         return (f"the chat template of {self.template} drops reasoning_content in {self.dropped} of "
                 f"{self.with_reasoning} rows (e.g. id {self.dropped_example}): a drafter trained on this export "
-                f"learns the answers only; give SpecForge a --chat-template that renders the reasoning "
-                f"(docs/output.md, 'Which SpecForge --chat-template'), or check again with --tokenizer DIR of "
-                f"the target model")
+                f"learns the answers only; train with a target whose template renders reasoning_content and one "
+                f"of SpecForge's thinking --chat-template names (docs/output.md, 'Which SpecForge "
+                f"--chat-template'), or check again with --tokenizer DIR of the target model")
 
 
 def load_template(model_dir: str | Path) -> ChatTemplate:
