@@ -8,6 +8,7 @@ import pyarrow.compute as pc
 
 from tasks.validation._results import Check, Context
 from tasks.validation._stats import (
+    TAG_FAMILIES,
     Stats,
     blank,
     count_true,
@@ -33,10 +34,20 @@ def measure_content(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
     finished = pc.fill_null(pc.equal(table.column("finish_reason"), "stop"), False)
     empty = pc.and_(finished, blank(table.column("content")))
     n = count_true(empty)
+    # the answer went into reasoning only when the raw text holds no end tag to split at; a raw text
+    # that holds one and ends there is a model that stopped right after its reasoning
+    ended = None
+    if n:
+        raw = table.column("raw")
+        for _start, end in TAG_FAMILIES:
+            hit = pc.fill_null(pc.match_substring(raw, end), False)
+            ended = hit if ended is None else pc.or_(ended, hit)
+    into_reasoning = pc.and_(empty, pc.invert(blank(table.column("reasoning")))) if n else None
     return {
         "finished": count_true(finished),
         "empty": n,
-        "all_reasoning": count_true(pc.and_(empty, pc.invert(blank(table.column("reasoning"))))) if n else 0,
+        "all_reasoning": count_true(pc.and_(into_reasoning, pc.invert(ended))) if n else 0,
+        "after_reasoning": count_true(pc.and_(into_reasoning, ended)) if n else 0,
         "example": first_id(table, empty) if n else None,
     }
 
@@ -50,6 +61,9 @@ def judge_content(s: Stats, ctx: Context, thr: Thresholds) -> Check:
         cause = ("the split put the whole answer into reasoning (no end tag found: the parser is forced or "
                  "think_in_prompt is set while the model did not think); " + fix_parser() + ", then "
                  f"{resplit_command(ctx)}")
+    elif s.get("after_reasoning", 0) * 2 > bad:
+        cause = ("the model stopped right after its reasoning (the raw text ends at the end tag: nothing to "
+                 "re-split); check the stop strings and the prompts (it ended its turn after thinking)")
     else:
         cause = "the model stopped without an answer; check the prompts and stop strings"
     return rate_check("empty_content", bad, total, thr.empty_content_max_rate, thr.empty_content_warn_rate, thr,

@@ -269,4 +269,11 @@ class ValidationReport:
                 lines.append(f"    shard {s.shard_index}: FAIL {first.name}: {first.message}")
             if len(bad) > MAX_EXAMPLES:
                 lines.append(f"    ... {len(bad) - MAX_EXAMPLES} more failing shards (see {REPORT_NAME})")
+            # a warning a shard alone raised (below the evidence bar, or judged with its dataset) is said too
+            warned = [(s, c) for s in d.shards if s.verdict == "warn" for c in s.checks if c.status == "warn"
+                      and not any(t.name == c.name and t.status != "pass" for t in d.checks)]
+            for s, c in warned[:MAX_EXAMPLES]:
+                lines.append(f"    shard {s.shard_index}: WARN {c.name}: {c.message}")
+            if len(warned) > MAX_EXAMPLES:
+                lines.append(f"    ... {len(warned) - MAX_EXAMPLES} more shard warnings (see {REPORT_NAME})")
         return "\n".join(lines)

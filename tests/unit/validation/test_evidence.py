@@ -117,3 +117,23 @@ def test_the_missing_reasoning_hint_names_a_row_that_shows_it_and_never_suggests
                                      "holds </think> but the split did not use it (parser qwen3")
     assert (f"run `datagen resplit {out2} --parser qwen3` (re-split with qwen3, 30 of the 30 of these rows checked get "
             "reasoning)") in check2.message
+
+
+def test_datagen_validate_passes_a_complete_output_whose_last_shard_holds_one_empty_row(tmp_path) -> None:
+    """The user's path on the field's shape (issue 48 item 1): 400 rows in shards of 25 and a last
+    shard of one row that finished by stop with empty content. Neither real SGLang's random-weight
+    model nor the emulator makes one chosen row empty, so the output is written by hand."""
+    import subprocess
+    import sys
+
+    from tests.support.paths import REPO_ROOT
+
+    shards = [clean_rows("ds", 25, 25 * k) for k in range(16)] + [[_empty(clean_rows("ds", 1, 400)[0])]]
+    out = write_output(tmp_path / "out", {"ds": shards}, shard_size=25)
+    res = subprocess.run([sys.executable, "-m", "datagen", "validate", str(out)], capture_output=True, text=True,
+                         timeout=120, cwd=str(REPO_ROOT))
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = res.stdout + res.stderr
+    assert "WARN" in said.upper()
+    assert ("content empty in 100% of 1 finished rows of shard 16 of ds (e.g. id ds-000400)" in said
+            and "over [validation] empty_content_max_rate = 0.2, but 1 of 1 row(s) is below the evidence bar" in said), said
