@@ -15,6 +15,7 @@ Every request asks for a fixed number of tokens with ``ignore_eos`` (tests/suppo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import psutil
@@ -64,6 +65,14 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     assert {(r["engine"], r["engine_version"]) for r in got.values()} == {("sglang", "0.5.23")}
     assert len({r["chat_template_hash"] for r in got.values()}) == 1 and near["chat_template_hash"]
     assert json.loads(near["sampling"])["max_new_tokens"] == 4  # the configured budget, per row
+    # the missing-reasoning hint on real rows (issue 48 item 3): its example shows what the message says,
+    # and a re-split with the parser already used is suggested only with the rows it would change
+    report = json.loads((out / "_validation.json").read_text())
+    (hint,) = [c["message"] for c in report["datasets"]["ds"]["total"] if c["name"] == "reasoning_present"]
+    example = re.search(r"\(e\.g\. id (\S+)\)", hint).group(1)  # type: ignore[union-attr]
+    assert ("</think>" in got[example]["raw"]) == ("holds </think>" in hint.split(";")[0]), hint
+    if "--parser qwen3`" in hint:
+        assert re.search(r"--parser qwen3` \(re-split with qwen3, [1-9]\d* of the", hint), hint
     rejects = OutputDir(out).read_rejects("ds")
     assert [x.get("id") for x in rejects] == ["toolong"]
     assert "longer than the model's context length" in json.dumps(rejects[0])
