@@ -41,8 +41,6 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "atomic_writer",
-    "check_replaceable",
-    "fsync_dir",
     "naming",
     "open_below",
     "open_for_write",
@@ -531,31 +529,6 @@ def read_nofollow(path: Path | str) -> bytes:
     d, name = _parent(path)
     with d:
         return d.read(name)
-
-
-def check_replaceable(path: Path | str) -> None:
-    """Check that ``path`` is absent or a regular file owned by the running user.
-
-    Raises:
-        UnsafeFile: it is a symlink, not a regular file, or owned by another user.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    why = _refusal(path, st)
-    if why is not None:
-        raise UnsafeFile(path, why)
-
-
-def fsync_dir(path: Path | str) -> None:
-    """Make a directory's entries (a create or a rename in it) durable.
-
-    Raises:
-        OSError: the directory cannot be opened or synced.
-    """
-    with Dir.open(path) as d:
-        d.fsync()
 
 
 @contextlib.contextmanager
