@@ -78,7 +78,9 @@ def measure_reasoning(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
         stats["plain_example"] = str(plain[0].as_py()) if len(plain) else None
         stats["example"] = first_id(table, missing)
         if stats["tags_in_raw"]:
-            _probe_resplit(table.filter(missing).filter(tagged), stats)
+            # the three columns the probe reads, not the whole table, are filtered
+            _probe_resplit(table.select(["raw", "reasoning_parser", "think_in_prompt"]).filter(missing).filter(tagged),
+                           stats)
     return stats
 
 
@@ -91,8 +93,7 @@ def _probe_resplit(rows: pa.Table, stats: Stats) -> None:
     says how many rows it changes, and is not suggested when it changes none."""
     end = max(stats["tags_in_raw"].items(), key=lambda kv: kv[1])[0]
     fits = next(p for (_st, en), p in TAG_FAMILIES.items() if en == end)
-    sample = rows.select(["raw", "reasoning_parser", "think_in_prompt"]).take(
-        _sample_indices(rows.num_rows, RESPLIT_PROBE_ROWS)).to_pylist()
+    sample = rows.take(_sample_indices(rows.num_rows, RESPLIT_PROBE_ROWS)).to_pylist()
     for row in sample:
         parser = row["reasoning_parser"] if row["reasoning_parser"] in fits else fits[0]
         stats["probe_parser"] = stats["probe_parser"] or parser

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -34,20 +36,22 @@ def measure_content(table: pa.Table, ctx: Context, thr: Thresholds) -> Stats:
     finished = pc.fill_null(pc.equal(table.column("finish_reason"), "stop"), False)
     empty = pc.and_(finished, blank(table.column("content")))
     n = count_true(empty)
-    # the answer went into reasoning only when the raw text holds no end tag to split at; a raw text
-    # that holds one and ends there is a model that stopped right after its reasoning
-    ended = None
+    into, after = 0, 0
     if n:
-        raw = table.column("raw")
-        for _start, end in TAG_FAMILIES:
-            hit = pc.fill_null(pc.match_substring(raw, end), False)
-            ended = hit if ended is None else pc.or_(ended, hit)
-    into_reasoning = pc.and_(empty, pc.invert(blank(table.column("reasoning")))) if n else None
+        # the answer went into reasoning only when the raw text holds no end tag to split at; a raw
+        # text that holds one (looked for in these rows only) is a model that stopped after its reasoning
+        into_reasoning = pc.and_(empty, pc.invert(blank(table.column("reasoning"))))
+        into = count_true(into_reasoning)
+        if into and "raw" in table.column_names:
+            raw = table.column("raw").filter(into_reasoning)
+            ended = functools.reduce(pc.or_, (pc.fill_null(pc.match_substring(raw, end), False)
+                                              for _start, end in TAG_FAMILIES))
+            after = count_true(ended)
     return {
         "finished": count_true(finished),
         "empty": n,
-        "all_reasoning": count_true(pc.and_(into_reasoning, pc.invert(ended))) if n else 0,
-        "after_reasoning": count_true(pc.and_(into_reasoning, ended)) if n else 0,
+        "all_reasoning": into - after,
+        "after_reasoning": after,
         "example": first_id(table, empty) if n else None,
     }
 

@@ -71,7 +71,7 @@ def _record_shard_locked(out: OutputDir, result: ShardValidation, thr: Threshold
     ds["verdict"] = _worst(s.get("verdict") for s in ds["shards"].values())
     doc["verdict"] = _worst(verdicts)
     doc["validated_at"] = result.validated_at
-    write_json(out_dir, REPORT_NAME, doc)
+    write_json(out, REPORT_NAME, doc)
 
 
 def _with_earlier_shards(check: Check, result: ShardValidation, recorded: dict[str, Any], thr: Thresholds) -> Check:

@@ -27,20 +27,30 @@ from tasks.validation._results import (
     ShardValidation,
     ValidationReport,
 )
-from tasks.validation._stats import RATE_SETTINGS, Stats, duplicates, merge, needs, ranges, row_keys, short
+from tasks.validation._stats import (
+    RATE_SETTINGS,
+    Stats,
+    duplicates,
+    merge,
+    needs,
+    ranges,
+    row_keys,
+    setting_note,
+    short,
+)
 from tasks.validation._thresholds import Thresholds
 
 MANIFEST_NAME = "_manifest.json"
 
 
 # ------------------------------------------------------------------------------------ output layout
-def load_manifest(out_dir: Path) -> dict[str, Any]:
-    """The parsed ``_manifest.json`` of ``out_dir``.
+def load_manifest(out: OutputDir) -> dict[str, Any]:
+    """The parsed ``_manifest.json`` of the output ``out`` (held open for the validation's reads).
 
     Raises:
-        BadOutput: ``out_dir`` is missing, has no manifest, or the manifest is unreadable or malformed.
+        BadOutput: the output is missing, has no manifest, or the manifest is unreadable or malformed.
     """
-    out = OutputDir(out_dir)
+    out_dir = out.path
     try:
         if out.open_root() is None:
             raise BadOutput(f"{out_dir}: no such directory")
@@ -85,9 +95,9 @@ def _slice_size(manifest: Mapping[str, Any], entry: Mapping[str, Any], index: in
     return max(0, min(size, total - index * size)) * _samples_of(entry)
 
 
-def write_json(out_dir: Path, name: str, doc: Mapping[str, Any]) -> None:
+def write_json(out: OutputDir, name: str, doc: Mapping[str, Any]) -> None:
     """Replace file ``name`` of the output atomically (through its handle) with ``doc`` as JSON."""
-    OutputDir(out_dir).write_file(name, json_bytes(doc, indent=2, default=str, newline=True))
+    out.write_file(name, json_bytes(doc, indent=2, default=str, newline=True))
 
 
 # ----------------------------------------------------------------------------------------- shards
@@ -133,10 +143,11 @@ def _samples(table: pa.Table, ctx: Context, k: int = 3, width: int = 160) -> lis
     return out
 
 
-def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, index: int,
+def _validate_shard(out: OutputDir, manifest: Mapping[str, Any], dataset: str, index: int,
                     thr: Thresholds, *, with_samples: bool = False
                     ) -> tuple[ShardValidation, pa.ChunkedArray | None]:
     """The shard's validation, and its row keys for the dataset's cross-shard duplicate check."""
+    out_dir = out.path
     entry = _dataset_entry(manifest, dataset, out_dir)
     info = (entry.get("shards") or {}).get(str(index))
     if not isinstance(info, dict):
@@ -144,7 +155,7 @@ def _validate_shard(out_dir: Path, manifest: Mapping[str, Any], dataset: str, in
     path = _shard_file(out_dir, info)
     ctx = Context(dataset=dataset, shard_index=index, out_dir=str(out_dir))
     try:
-        data = OutputDir(out_dir).read_shard(info["file"])
+        data = out.read_shard(info["file"])
         table = conform(pq.read_table(pa.BufferReader(data)))  # a shard of an older datagen: one sample, last turn
     except UnsafeFile:
         raise  # a link planted in OUT says nothing about the data: refused as such (exit 2), not judged
@@ -171,9 +182,11 @@ def judged_with_dataset(check: Check, thr: Thresholds) -> Check:
     finding warns, and the dataset's totals (the final validation) decide."""
     if check.name not in RATE_SETTINGS or check.status != "fail" or check.rows >= thr.min_rows_for_rate:
         return check
+    # the failure's own ending (its setting and how to accept) gives way to why it only warns
+    base = check.message.removesuffix(setting_note(check.name, "fail", check.count, check.rows, thr))
     return dataclasses.replace(check, status="warn", message=(
-        f"{check.message.split('; the limit is [validation]')[0]}; a shard of {check.rows} rows (under "
-        f"min_rows_for_rate {thr.min_rows_for_rate}) is judged with its dataset, not alone"))
+        f"{base}; a shard of {check.rows} rows (under min_rows_for_rate {thr.min_rows_for_rate}) is judged "
+        f"with its dataset, not alone"))
 
 
 def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: int,
@@ -189,8 +202,8 @@ def validate_shard(out_dir: str | os.PathLike[str], dataset: str, shard_index: i
     Raises:
         BadOutput: ``out_dir`` is not an output, or the dataset/shard is not in its manifest.
     """
-    out = Path(out_dir)
-    result, _ids = _validate_shard(out, load_manifest(out), dataset, shard_index, thresholds or Thresholds())
+    held = OutputDir(out_dir)
+    result, _ids = _validate_shard(held, load_manifest(held), dataset, shard_index, thresholds or Thresholds())
     return result
 
 
@@ -283,9 +296,10 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
         BadOutput: ``out_dir`` is missing or not a datagen output.
     """
     started = time.perf_counter()
-    out = Path(out_dir)
+    held = OutputDir(out_dir)
+    out = held.path
     thr = thresholds or Thresholds()
-    manifest = load_manifest(out)
+    manifest = load_manifest(held)
     datasets: list[DatasetValidation] = []
     samples: list[dict[str, Any]] = []
     provenance: Stats = {}
@@ -294,7 +308,7 @@ def validate_output(out_dir: str | os.PathLike[str], thresholds: Thresholds | No
         shards: list[ShardValidation] = []
         ids: list[pa.ChunkedArray] = []
         for key in sorted((entry.get("shards") or {}), key=int):
-            result, idcol = _validate_shard(out, manifest, name, int(key), thr, with_samples=not shards)
+            result, idcol = _validate_shard(held, manifest, name, int(key), thr, with_samples=not shards)
             result.checks = [judged_with_dataset(c, thr) for c in result.checks]  # the totals below decide
             if idcol is not None:
                 ids.append(idcol)
@@ -334,5 +348,5 @@ def write_report(out_dir: str | os.PathLike[str], report: ValidationReport) -> P
     Raises:
         OSError: the file cannot be written (``UnsafeFile`` for a planted link or foreign file).
     """
-    write_json(Path(out_dir), REPORT_NAME, report.to_dict())
+    write_json(OutputDir(out_dir), REPORT_NAME, report.to_dict())
     return Path(out_dir) / REPORT_NAME

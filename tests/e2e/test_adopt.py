@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -102,6 +102,16 @@ def test_a_rerun_within_the_grace_adopts_the_server_and_launches_nothing(
     assert _gpus_free(tmp_path)
 
 
+def _ended_after_the_grace(server_pid: int, gpus_free: Callable[[], bool], killed: float, grace: float) -> None:
+    """Wait until the server is gone and its GPUs are free (the grace, the leash's stop and 15 s at most),
+    and check that it was kept through its grace."""
+    deadline = killed + grace + 20 + 15
+    while pid_alive(server_pid) or not gpus_free():
+        assert time.monotonic() < deadline, f"server {server_pid} alive {time.monotonic() - killed:.0f} s after the kill"
+        time.sleep(0.2)
+    assert time.monotonic() - killed >= grace - 0.5  # kept through its grace
+
+
 def test_past_the_grace_the_guardian_ends_the_server_and_frees_its_gpus(
         prefect_server: PrefectServer, tmp_path: Path, reap_pids: list[int]) -> None:
     grace = 4.0
@@ -110,11 +120,7 @@ def test_past_the_grace_the_guardian_ends_the_server_and_frees_its_gpus(
     killed = time.monotonic()
     assert pid_alive(server_pid)
     # the guardian waits out the grace, then ends the group as a stop does (LEASH_GRACE_S at most)
-    deadline = killed + grace + 20 + 15
-    while pid_alive(server_pid) or not _gpus_free(tmp_path):
-        assert time.monotonic() < deadline, f"server {server_pid} alive {time.monotonic() - killed:.0f} s after the kill"
-        time.sleep(0.2)
-    assert time.monotonic() - killed >= grace - 0.5  # kept through its grace
+    _ended_after_the_grace(server_pid, lambda: _gpus_free(tmp_path), killed, grace)
     assert not os.path.exists(leash_socket(server_pid))
     assert guardian_state("local", server_pid).startswith("none")  # nothing left to adopt
 
@@ -175,9 +181,5 @@ def test_past_the_grace_a_server_on_an_ssh_host_is_ended_there(
     run_id, server_pid = _killed_mid_run(cmd, env, tmp_path, reap_pids)
     killed = time.monotonic()
     assert pid_alive(server_pid)
-    deadline = killed + grace + 20 + 15
-    while pid_alive(server_pid) or not _host_gpus_free(host):
-        assert time.monotonic() < deadline, f"server {server_pid} alive {time.monotonic() - killed:.0f} s after the kill"
-        time.sleep(0.2)
-    assert time.monotonic() - killed >= grace - 0.5
+    _ended_after_the_grace(server_pid, lambda: _host_gpus_free(host), killed, grace)
     assert guardian_state(host.url(), server_pid).startswith("none"), guardian_state(host.url(), server_pid)

@@ -14,6 +14,7 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.export import FORMATS
 from tests.support.inference import committed_keys, committed_rows, write_conversations
+from tests.support.outputs import REASONING_TEMPLATE
 from tests.support.paths import REPO_ROOT
 from tests.support.runs import cli_env
 
@@ -59,12 +60,6 @@ def test_run_with_samples_and_whole_conversations_then_export_each_format(tmp_pa
         assert len(turns) == 5 and not any("original answer" in str(t) for t in turns)
 
 
-KEEPS_REASONING = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
-                   "{%- if m.role == 'assistant' and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + "
-                   "'\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
-                   "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 def test_export_checks_what_the_trainer_sees_with_the_targets_chat_template(tmp_path: Path) -> None:
     """Issue 48 item 5: the demo model's template ignores reasoning_content, so a drafter trained on the
     specforge export would learn the answers only: the export says so with the share, --strict refuses it;
@@ -101,7 +96,7 @@ def test_export_checks_what_the_trainer_sees_with_the_targets_chat_template(tmp_
     keeps = tmp_path / "keeps-model"
     keeps.mkdir()
     config = json.loads((demo / "tokenizer_config.json").read_text())
-    (keeps / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": KEEPS_REASONING}))
+    (keeps / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": REASONING_TEMPLATE}))
     kept = export(tmp_path / "keeps.jsonl", "--tokenizer", str(keeps), "--strict")
     assert kept.returncode == 0, kept.stderr
     assert f"reasoning survives in {reasoned} of {reasoned} rows with reasoning (100%)" in kept.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.outputs import clean_rows, write_output
+from tests.support.outputs import REASONING_TEMPLATE, clean_rows, write_output
 from tests.support.paths import REPO_ROOT
 from tests.support.sglang import DATAGEN
 
@@ -27,10 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.specforge]
 VENV = REPO_ROOT / ".venv-specforge"
 ROWS = 12
 
-KEEPS = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
-         "{%- if m.role == 'assistant' and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + "
-         "'\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
-         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 # Run by SpecForge's interpreter: its build_eagle3_dataset on the export, then, per row, whether the
 # reasoning is among the tokens its loss mask trains.
@@ -93,7 +89,7 @@ def test_specforge_loads_the_export_and_trains_what_the_template_check_says(
     keeps = tmp_path / "keeps-model"
     shutil.copytree(tiny_model, keeps)
     config = json.loads((keeps / "tokenizer_config.json").read_text())
-    (keeps / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": KEEPS}))
+    (keeps / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": REASONING_TEMPLATE}))
     (keeps / "chat_template.jinja").unlink(missing_ok=True)
     kept = _export(out, tmp_path / "keeps.jsonl", keeps)
     assert kept.returncode == 0, kept.stderr

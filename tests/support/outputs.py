@@ -123,3 +123,19 @@ def clean_output(out: Path, *, dataset: str = "glaive", shards: int = 2, shard_s
     """A clean output: ``shards`` full shards of ``shard_size`` consistent rows."""
     data = [clean_rows(dataset, shard_size, k * shard_size, **kw) for k in range(shards)]
     return write_output(out, {dataset: data}, shard_size=shard_size)
+
+
+def accept(setting: str, limit: float) -> str:
+    """What a failing rate check's message ends with: its setting, and how to accept the rows."""
+    return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition and "
+            "rerun `datagen run` (what is committed is kept; a complete output is judged again without generating "
+            "anything)")
+
+
+# A chat template that renders an assistant turn's reasoning_content in a think block, as Qwen3's does
+# (the demo and tiny models' templates ignore it).
+REASONING_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + "
+    "'\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")

@@ -6,13 +6,9 @@ import pytest
 
 from tasks.export_check import check_template, token_counter
 from tasks.prompts import ChatTemplate
+from tests.support.outputs import REASONING_TEMPLATE
 from tests.support.paths import REPO_ROOT
 
-# Qwen3's way: the assistant turn renders its reasoning_content in a think block
-KEEPS = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
-         "{%- if m.role == 'assistant' and m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + "
-         "'\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
-         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 # the common older way: content only
 DROPS = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
          "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
@@ -33,7 +29,7 @@ def _count(text: str) -> int:
 
 
 def test_a_template_that_renders_reasoning_keeps_it_and_one_that_ignores_it_is_reported() -> None:
-    kept = check_template(_records(10, 8), ChatTemplate(KEEPS, origin="keeps"), _count, "tokens")
+    kept = check_template(_records(10, 8), ChatTemplate(REASONING_TEMPLATE, origin="keeps"), _count, "tokens")
     assert (kept.rows, kept.with_reasoning, kept.survived, kept.warning()) == (10, 8, 8, None)
     assert kept.line().startswith("template check (keeps, first 10 rows): reasoning survives in 8 of 8 rows with "
                                   "reasoning (100%); mean trained ")
@@ -46,7 +42,7 @@ def test_a_template_that_renders_reasoning_keeps_it_and_one_that_ignores_it_is_r
 
 
 def test_the_sample_is_bounded_and_the_unit_is_said() -> None:
-    check = check_template(_records(500, 500), ChatTemplate(KEEPS, origin="keeps"), lambda t: (len(t) + 3) // 4,
+    check = check_template(_records(500, 500), ChatTemplate(REASONING_TEMPLATE, origin="keeps"), lambda t: (len(t) + 3) // 4,
                            "characters / 4", sample=200)
     assert check.rows == 200
     assert "tokens (estimated: characters / 4; install `tokenizers` to count) per row" in check.line()

@@ -10,16 +10,10 @@ import pytest
 from tasks.reasoning import split_reasoning
 from tasks.shards import rows_to_table
 from tasks.validation import ThresholdError, Thresholds, ValidationFailed, check_canary, validate_table
-from tests.support.outputs import make_row
+from tests.support.outputs import accept, make_row
 
 N = 32
 
-
-def accept(setting: str, limit: float) -> str:
-    """What a failing rate check's message ends with: its setting, and how to accept the rows."""
-    return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition and "
-            "rerun `datagen run` (what is committed is kept; a complete output is judged again without generating "
-            "anything)")
 
 
 def _opened_think(parser: str | None) -> list[dict[str, Any]]:

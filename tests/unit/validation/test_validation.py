@@ -26,17 +26,11 @@ from tasks.validation import (
     validate_shard,
     validate_table,
 )
-from tests.support.outputs import clean_output, clean_rows, make_row, write_output
+from tests.support.outputs import accept, clean_output, clean_rows, make_row, write_output
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 
-
-def accept(setting: str, limit: float) -> str:
-    """What a failing rate check's message ends with: its setting, and how to accept the rows."""
-    return (f"; the limit is [validation] {setting} = {limit:g}: to accept such rows raise it in the partition and "
-            "rerun `datagen run` (what is committed is kept; a complete output is judged again without generating "
-            "anything)")
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
