@@ -1,5 +1,5 @@
 """Inference client and driver against the emulator: rows/s end to end and against a bare aiohttp loop,
-each transport alone, slot utilisation under modelled latency, and peak RSS for 200k vs 10k prompts.
+the client alone, slot utilisation under modelled latency, and peak RSS for 200k vs 10k prompts.
 Measured side by side in one run, so ratios compare like with like.
 
 Run alone: ``.venv/bin/python bench/bench_client.py [--quick]`` (rows as JSON lines).
@@ -121,21 +121,20 @@ async def _bare(url: str, prompts: list[str], sampling: dict[str, Any]) -> float
     return len(prompts) / (time.perf_counter() - t0)
 
 
-async def _client(url: str, prompts: list[str], sampling: dict[str, Any], transport: str) -> float:
+async def _client(url: str, prompts: list[str], sampling: dict[str, Any]) -> float:
     it = iter(enumerate(prompts))
     t0 = time.perf_counter()
-    async with GenerateClient(url, ClientConfig(concurrency=CONCURRENCY, transport=transport)) as c:  # type: ignore[arg-type]
+    async with GenerateClient(url, ClientConfig(concurrency=CONCURRENCY)) as c:
         async def worker() -> None:
             for i, p in it:
-                await c.generate(p, sampling, rid=f"{transport}{i}")
+                await c.generate(p, sampling, rid=f"client{i}")
 
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
     return len(prompts) / (time.perf_counter() - t0)
 
 
-def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any], transport: str) -> tuple[float, int]:
-    settings = InferenceSettings(model_dir=DEMO, shard_size=1000, concurrency=CONCURRENCY, sampling=sampling,
-                                 client=ClientConfig(transport=transport))  # type: ignore[arg-type]
+def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any]) -> tuple[float, int]:
+    settings = InferenceSettings(model_dir=DEMO, shard_size=1000, concurrency=CONCURRENCY, sampling=sampling)
     r = run_dataset(DatasetSpec("bench", inp), out, Endpoint(url, "bench"), settings)
     return r.rows_generated / r.elapsed_s, r.rows_generated
 
@@ -217,29 +216,24 @@ def run(quick: bool) -> list[dict[str, Any]]:
             prompts = _prompts(n)
             asyncio.run(_bare(url, prompts[:500], sampling))  # warm up both sides
             bare = asyncio.run(_bare(url, prompts, sampling))
-            for transport in ("httpx", "httpx-aiohttp", "aiohttp"):
-                m = n // 2 if transport == "httpx" else n
-                rate = asyncio.run(_client(url, prompts[:m], sampling, transport))
-                rows.append(_row(f"client_{transport}_req_per_s", rate, "req/s", "informational", True,
-                                 f"GenerateClient.generate, {CONCURRENCY} in flight, {m} requests"))
+            rate = asyncio.run(_client(url, prompts, sampling))
+            rows.append(_row("client_req_per_s", rate, "req/s", "informational", True,
+                             f"GenerateClient.generate, {CONCURRENCY} in flight, {n} requests"))
             inp = tmp / "e2e.jsonl"
             _write_input(inp, n)
             # interleaved, best of 3 each: other processes on a shared 2-core host skew single runs
-            bares, e2es, e2es_httpx = [bare], [], []
+            bares, e2es = [bare], []
             for rep in range(3):
-                rate, done = _e2e(url, inp, tmp / f"out-e2e-{rep}", sampling, "aiohttp")
+                rate, done = _e2e(url, inp, tmp / f"out-e2e-{rep}", sampling)
                 e2es.append(rate)
                 if rep < 2:
                     bares.append(asyncio.run(_bare(url, prompts, sampling)))
-                    e2es_httpx.append(_e2e(url, inp, tmp / f"out-e2e-httpx-{rep}", sampling, "httpx-aiohttp")[0])
             bare_best, e2e = max(bares), max(e2es)
             rows.append(_row("bare_rows_per_s", bare_best, "rows/s", "reference", True,
                              f"aiohttp+orjson, {CONCURRENCY} in flight, best of {[round(b) for b in bares]}"))
             rows.append(_row("e2e_rows_per_s", e2e, "rows/s", ">= 1000", e2e >= 1000,
-                             f"run_dataset {done} rows, journal + Parquet, default transport (aiohttp), "
+                             f"run_dataset {done} rows, journal + Parquet, "
                              f"best of {[round(e) for e in e2es]}"))
-            rows.append(_row("e2e_httpx_aiohttp_vs_bare", max(e2es_httpx) / bare_best, "x", "informational", True,
-                             f"run_dataset with transport httpx-aiohttp, best of {[round(e) for e in e2es_httpx]}"))
             rows.append(_row("e2e_vs_bare", e2e / bare_best, "x", ">= 0.5", e2e / bare_best >= 0.5))
 
             mem_small, mem_big = 10_000, (50_000 if quick else 200_000)

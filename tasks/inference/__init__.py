@@ -20,7 +20,6 @@ from tasks.inference._client import (
     PromptTooLong,
     RequestRejected,
     ServerGone,
-    Transport,
     default_concurrency,
     server_error_message,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "ServerGone",
     "ServerPool",
     "ShardProgress",
-    "Transport",
     "TruncationPolicy",
     "check_resume",
     "conversation_slots",

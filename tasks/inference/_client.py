@@ -1,7 +1,7 @@
 """Async client for SGLang's native ``POST /generate``, with retries that know SGLang.
 
-Transport: aiohttp + orjson by default; ``ClientConfig.transport`` selects the httpx variants. The
-retry policy (transport errors, timeouts, 5xx, ``abort`` finishes; 503 "queue full" on its own
+Transport: aiohttp + orjson, the one HTTP stack of inference (the fastest measured: decision 08 and
+docs/benchmarks.md; a benchmark that compares transports brings its own). The retry policy (transport errors, timeouts, 5xx, ``abort`` finishes; 503 "queue full" on its own
 budget; never other 4xx) and the liveness short-cut are in docs/decisions/08-retries.md.
 
 Errors::
@@ -25,10 +25,9 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
-import httpx
 import orjson
 import yarl
 
@@ -46,13 +45,11 @@ __all__ = [
     "PromptTooLong",
     "RequestRejected",
     "ServerGone",
-    "Transport",
     "cached_tokens",
     "default_concurrency",
     "server_error_message",
 ]
 
-Transport = Literal["httpx", "httpx-aiohttp", "aiohttp"]
 DEFAULT_CONCURRENCY = 128
 # SGLang's phrasings for an over-long input (400, or an abort finish with status_code 400).
 _TOO_LONG = re.compile(
@@ -110,7 +107,6 @@ class ClientConfig:
     max_overload_retries: int = 100
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
-    transport: Transport = "aiohttp"
     api_key: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,8 +116,6 @@ class ClientConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if min(self.connect_timeout_s, self.request_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
-        if self.transport not in ("httpx", "httpx-aiohttp", "aiohttp"):
-            raise ValueError(f"transport must be httpx, httpx-aiohttp or aiohttp, got {self.transport!r}")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before retry number ``attempt`` (1-based): exponential, capped, full jitter."""
@@ -245,87 +239,45 @@ class GenerateClient:
         self.context_length: int | None = None
         self._context_asked: asyncio.Future[int | None] | None = None
         self.stats = ClientStats()
-        self._httpx: httpx.AsyncClient | None = None
-        self._aiohttp: aiohttp.ClientSession | None = None
-        self._transport: httpx.AsyncBaseTransport | None = None
-        self._extensions: dict[str, Any] = {}
-        self._httpx_headers: httpx.Headers | None = None
-        self._urls: dict[str, httpx.URL] = {}
-        self._yurls: dict[str, yarl.URL] = {}  # the same for aiohttp: a parsed URL per path
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}  # parsing the URL on every request costs ~10% of the client's CPU
         self._headers = {"Content-Type": "application/json"}
         if self.config.api_key:
             self._headers["Authorization"] = f"Bearer {self.config.api_key}"
 
     async def __aenter__(self) -> GenerateClient:
         cfg = self.config
-        if cfg.transport == "aiohttp":
-            self._aiohttp = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency),
-                timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s),
-                headers=self._headers, cookie_jar=aiohttp.DummyCookieJar(),  # SGLang sets no cookies
-            )
-        elif cfg.transport == "httpx-aiohttp":
-            # Optional transport (benchmarked against the default): loaded only when chosen.
-            from httpx_aiohttp import AiohttpTransport  # noqa: PLC0415
-
-            limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-            self._transport = AiohttpTransport(limits=limits)
-            timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-            self._extensions = {"timeout": timeout.as_dict()}
-            self._httpx_headers = httpx.Headers(self._headers)
-        else:
-            limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-            timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-            self._httpx = httpx.AsyncClient(
-                base_url=self.base_url, limits=limits, timeout=timeout, headers=self._headers, trust_env=False,
-            )
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency),
+            timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s),
+            headers=self._headers, cookie_jar=aiohttp.DummyCookieJar(),  # SGLang sets no cookies
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._transport is not None:
-            await self._transport.aclose()
-            self._transport = None
-        if self._httpx is not None:
-            await self._httpx.aclose()
-            self._httpx = None
-        if self._aiohttp is not None:
-            await self._aiohttp.close()
-            self._aiohttp = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # -- raw requests ------------------------------------------------------------------------------
 
     async def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         """One HTTP exchange. Raises ``_Transient`` for transport errors and timeouts."""
+        if self._session is None:
+            raise RuntimeError("GenerateClient used outside `async with`")
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = yarl.URL(self.base_url + path)
         try:
-            if self._transport is not None:
-                url = self._urls.get(path)
-                if url is None:  # parsing the URL on every request costs ~10% of the client's CPU
-                    url = self._urls[path] = httpx.URL(self.base_url + path)
-                request = httpx.Request(method, url, content=body,
-                                        headers=self._httpx_headers, extensions=self._extensions)
-                response = await self._transport.handle_async_request(request)
-                try:
-                    return response.status_code, await response.aread()
-                finally:
-                    await response.aclose()
-            if self._aiohttp is not None:
-                yurl = self._yurls.get(path)
-                if yurl is None:
-                    yurl = self._yurls[path] = yarl.URL(self.base_url + path)
-                async with self._aiohttp.request(method, yurl, data=body) as resp:
-                    return resp.status, await resp.read()
-            if self._httpx is None:
-                raise RuntimeError("GenerateClient used outside `async with`")
-            r = await self._httpx.request(method, path, content=body)
-            return r.status_code, r.content
-        except (httpx.TransportError, aiohttp.ClientError, TimeoutError, OSError) as exc:
-            # httpx-aiohttp maps aiohttp's connector errors to httpx.ConnectTimeout: look at the cause.
+            async with self._session.request(method, url, data=body) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if _is_refused(exc):
                 kind = "refused"
-            elif isinstance(exc, httpx.TimeoutException | TimeoutError):
+            elif isinstance(exc, TimeoutError):
                 kind = "timeout"
             else:
                 kind = "transport"
@@ -541,7 +493,7 @@ def _is_refused(exc: BaseException) -> bool:
     for _ in range(6):
         if seen is None:
             break
-        if isinstance(seen, ConnectionRefusedError | httpx.ConnectError | aiohttp.ClientConnectorError):
+        if isinstance(seen, ConnectionRefusedError | aiohttp.ClientConnectorError):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
