@@ -24,10 +24,9 @@ from flows.hooks import cleanup_hook
 from flows.names import run_name
 from flows.params import declared
 from flows.pipeline import Outcome, gate_reported, gpu_hosts, opened_output, progress_of, published
-from flows.retry import infer_dataset
 from tasks.config import Overrides
 from tasks.config.task import load_config
-from tasks.inference.task import open_datasets
+from tasks.inference.task import infer_dataset, open_datasets
 from tasks.run import RunContext
 from tasks.shards.task import prepare_run, promote
 from tasks.validation.task import validate

@@ -307,7 +307,7 @@ def _relaunch_or_lose(server: _Server, name: str, why: str, reason: str, pool: S
     expects it back."""
     ctx = server.ctx
     budget = ctx.cfg.max_relaunches
-    nxt = (f"the flow relaunches the server (relaunch {server.relaunches + 1}/{budget})"
+    nxt = (f"its lifecycle relaunches it (relaunch {server.relaunches + 1}/{budget})"
            if ctx.launches and server.relaunches < budget else "not relaunched")
     get_run_logger().warning("server %s dropped: %s; rows done are safe on disk; %s", name, reason, nxt)
     if not ctx.launches:

@@ -1,22 +1,22 @@
-"""Which failures a stage task retries, and which the flow answers by relaunching the server.
+"""Which failures a stage task retries: the "stage" layer of the retry table in
+docs/architecture.md ("Retries: one owner per layer"), which also names the layers below it (the
+client's request retries, the dispatcher's failover, the fraction search, the fleet's relaunches).
 
 The rule, by class, never by name:
 
 - a ``DatagenError`` is retried exactly when its ``retryable`` says so (see tasks.errors for the
   table: GPUs not yet clean, an unreachable target, a transient launch failure are; configuration
-  errors, validation failures, a changed input, a locked output, a rejected request are not);
+  errors, validation failures, a changed input, a locked output, a rejected request, a gone server,
+  a fraction search that gave up are not);
 - any other exception is retried only when it is transport-level: ``httpx.TransportError`` (except
   ``UnsupportedProtocol``, a bad URL), ``OSError`` (which covers ``ConnectionError`` and
   ``TimeoutError``); everything else (``TypeError``, ``ValueError``, ``KeyError``,
   ``AttributeError``, ``RuntimeError``, ...) is a bug or a refusal that a retry repeats.
 
-``ServerGone`` is not retryable in place: the flow stops the dead server, relaunches it and resumes
-from disk (``needs_relaunch``).
-
-The policy, in one place: the stage tasks are declared in ``tasks/<stage>/task.py`` without
-retries, and the flows call the retried versions below. Every other stage task (load-config,
-prepare-output, open-datasets, recover, stop-server, validate-output, promote-latest) is not
-retried: what it raises a rerun of the same step would raise again.
+The stage tasks are declared in ``tasks/<stage>/task.py`` without retries, and the flows call the
+retried versions below. No other task is retried: ``infer-<dataset>`` leaves a lost server to its
+lifecycle (flows.fleet relaunches it) and a failed request to the client, and what any other stage
+raises a rerun of the same step would raise again.
 
 =============== ======= ============================ ==============================================
 task            retries delay between tries (s)      retried when
@@ -25,7 +25,6 @@ hygiene         2       2, 4                         ``retry_transient`` (GPUs n
 launch          2       3, 6                         ``retry_transient`` (a transient launch failure)
 health          3       1, 2, 4                      always (``/health_generate`` not yet 200)
 identify-server 3       1, 2, 4                      always (the shared server not yet answering)
-infer           2       5, 10 (jitter 50%)           ``retry_transient`` (transport errors)
 =============== ======= ============================ ==============================================
 """
 
@@ -38,8 +37,6 @@ from prefect.tasks import exponential_backoff
 
 from tasks.errors import DatagenError
 from tasks.hygiene.task import hygiene as _hygiene
-from tasks.inference import ServerGone
-from tasks.inference.task import infer_dataset as _infer_dataset
 from tasks.server.task import health_check as _health_check
 from tasks.server.task import identify_server as _identify_server
 from tasks.server.task import launch_server as _launch_server
@@ -48,10 +45,8 @@ __all__ = [
     "health_check",
     "hygiene",
     "identify_server",
-    "infer_dataset",
     "is_retryable",
     "launch_server",
-    "needs_relaunch",
     "retry_transient",
 ]
 
@@ -85,19 +80,9 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return exc is not None and is_retryable(exc)
 
 
-def needs_relaunch(exc: BaseException) -> bool:
-    """Whether the flow should stop the server, relaunch it and resume: the server is gone.
-
-    A task re-raises its own exception in the flow body, so ``exc`` is the ``ServerGone`` itself.
-    """
-    return isinstance(exc, ServerGone)
-
-
 hygiene = _hygiene.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
                                 retry_condition_fn=retry_transient)
 launch_server = _launch_server.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=3),
                                             retry_condition_fn=retry_transient)
 health_check = _health_check.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
 identify_server = _identify_server.with_options(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1))
-infer_dataset = _infer_dataset.with_options(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5),
-                                            retry_jitter_factor=0.5, retry_condition_fn=retry_transient)

@@ -12,11 +12,12 @@ Each family lives with the code that raises it and keeps the built-in base its c
     │   └── NoGpus                            no      (no driver and no simulated GPUs on the target)
     ├── ServerError (RuntimeError)            no      tasks.server
     │   ├── ServerConfigError (ValueError)    no
-    │   ├── LaunchFailed                      unless failure.kind is bad_flag, model_not_found, host_memory
+    │   ├── LaunchFailed                      unless failure.kind is bad_flag, model_not_found, host_memory,
+    │   │                                     or too_high / too_low (the fraction search gave up on those)
     │   └── StopFailed                        yes
     ├── MemoryStoreError (RuntimeError)       no      tasks.server
     ├── ClientError                           no      tasks.inference
-    │   ├── ServerGone                        no      (the flow relaunches the server instead)
+    │   ├── ServerGone                        no      (the server's lifecycle relaunches it: flows.fleet)
     │   └── RequestRejected                   no
     │       └── PromptTooLong                 no
     ├── ShardsError                           no      tasks.shards

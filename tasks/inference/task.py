@@ -11,7 +11,6 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
-from prefect.runtime import task_run
 
 from tasks.artifacts import run_name
 from tasks.inference import (
@@ -62,8 +61,9 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
 def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | ServerPool,
                   on_progress: Callable[[ShardProgress], None] | None = None) -> dict[str, Any]:
     """Generate one opened dataset into the run's output, resuming committed shards and journals,
-    against one server or the run's pool of servers (each request to whichever is free). A retry
-    opens the dataset again (its guards run on what the failed attempt left).
+    against one server or the run's pool of servers (each request to whichever is free). Not
+    retried: a lost server is its lifecycle's to relaunch, a failed request the client's to retry
+    (docs/architecture.md, "Retries").
 
     Args:
         on_progress: called after each committed shard (the run's progress artifact).
@@ -73,7 +73,7 @@ def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | 
             retried).
         ServerGone: no server is left and none is coming back (each server's lifecycle relaunches
             its own within its budget first).
-        Exception: what ``tasks.inference.run_dataset`` raises; transport errors are retried.
+        Exception: what ``tasks.inference.run_dataset`` raises.
     """
     spec = dataset.spec
     logger = get_run_logger()
@@ -92,7 +92,7 @@ def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | 
 
     t0 = time.monotonic()
     settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
-    result = run_dataset(spec, out_dir, endpoint, settings, opened=dataset if task_run.run_count <= 1 else None,
+    result = run_dataset(spec, out_dir, endpoint, settings, opened=dataset,
                          on_shard_committed=on_shard_committed, progress=on_progress, on_canary=on_canary)
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):

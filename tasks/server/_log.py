@@ -302,14 +302,18 @@ class LaunchFailed(ServerError):
     line is near the top, long gone from ``log_tail``); None when the log does not say.
     """
 
-    # Kinds a relaunch with the same config cannot fix; every other kind (a memory fraction to move,
-    # a taken port, a timeout) may succeed on the next attempt. Decided per instance, hence a
-    # property where DatagenError has a class attribute.
+    # Kinds a relaunch with the same config cannot fix; every other kind (a taken port, a timeout, an
+    # unexplained exit) may succeed on the next attempt. Decided per instance, hence a property where
+    # DatagenError has a class attribute.
     PERMANENT_KINDS: frozenset[str] = frozenset({"bad_flag", "model_not_found", "host_memory"})
+    # Kinds the fraction search (tasks.server._tuner) answers itself: once it gives up on them, a
+    # retry of the launch stage would only repeat the search (one owner per retry layer:
+    # docs/architecture.md "Retries").
+    SEARCHED_KINDS: frozenset[str] = frozenset({"too_high", "too_low"})
 
     @property
     def retryable(self) -> bool:  # type: ignore[override]
-        return self.failure.kind not in self.PERMANENT_KINDS
+        return self.failure.kind not in self.PERMANENT_KINDS | self.SEARCHED_KINDS
 
     def __init__(
         self,

@@ -216,7 +216,7 @@ def test_a_runtime_oom_and_its_relaunch_tell_their_story_and_an_explicit_fractio
 
     logs = api.logs(run_id)
     assert not [log["message"] for log in logs if log["level"] >= 40]  # self-healed: no error
-    healed = [log for log in logs if "the flow relaunches the server (relaunch 1/3)" in log["message"]]
+    healed = [log for log in logs if "its lifecycle relaunches it (relaunch 1/3)" in log["message"]]
     assert len(healed) == 1 and healed[0]["level"] == 30
     assert [log["level"] for log in logs if "headroom after graph capture" in log["message"]] == [30]
     assert not [log for log in logs if "rerun to resume" in log["message"]]

@@ -9,7 +9,7 @@ import pytest
 from prefect.states import Completed, Failed
 
 from flows import retry
-from flows.retry import is_retryable, needs_relaunch, retry_transient
+from flows.retry import is_retryable, retry_transient
 from tasks.config import ConfigError
 from tasks.hygiene import GpusNotClean
 from tasks.inference import PromptTooLong, RequestRejected, ServerGone
@@ -53,6 +53,8 @@ NEVER_RETRIED = [
     _launch_failed("bad_flag"),
     _launch_failed("model_not_found"),
     _launch_failed("host_memory"),
+    _launch_failed("too_high"),  # the fraction search owns these: a stage retry would repeat it
+    _launch_failed("too_low"),
     TypeError("a bug"),
     ValueError("a bug"),
     KeyError("a bug"),
@@ -63,7 +65,6 @@ NEVER_RETRIED = [
 RETRIED = [
     GpusNotClean("GPUs on h not verified clean"),
     TargetUnreachable("ssh://h", "connection refused"),  # type: ignore[arg-type]
-    _launch_failed("too_high"),
     _launch_failed("timeout"),
     _launch_failed("unknown"),
     httpx.ConnectError("refused"),
@@ -97,24 +98,10 @@ def test_a_state_without_an_exception_is_not_retried() -> None:
     assert retry_transient(None, None, Failed(message="crashed")) is False
 
 
-@pytest.mark.parametrize("exc", [ServerGone("gone"), ServerGoneForGood("gone")], ids=_id)
-def test_needs_relaunch_for_server_gone(exc: BaseException) -> None:
-    assert needs_relaunch(exc) is True
-
-
-@pytest.mark.parametrize("exc", [
-    RequestRejected(400, "bad"), GpusNotClean("dirty"), _launch_failed("too_high"), ConfigError("x"),
-    httpx.ConnectError("refused"), RuntimeError("ServerGone"),
-], ids=_id)
-def test_no_relaunch_for_other_errors(exc: BaseException) -> None:
-    assert needs_relaunch(exc) is False
-
-
 def test_the_retried_stages_carry_the_table_of_the_module_docstring() -> None:
     table = {t.name: (t.retries, t.retry_condition_fn) for t in
-             (retry.hygiene, retry.launch_server, retry.health_check, retry.identify_server, retry.infer_dataset)}
+             (retry.hygiene, retry.launch_server, retry.health_check, retry.identify_server)}
     assert {name: r for name, (r, _) in table.items()} == {
-        "hygiene": 2, "launch_server": 2, "health_check": 3, "identify-server": 3, "infer_dataset": 2}
-    assert {name for name, (_, fn) in table.items() if fn is retry_transient} == {
-        "hygiene", "launch_server", "infer_dataset"}
+        "hygiene": 2, "launch_server": 2, "health_check": 3, "identify-server": 3}
+    assert {name for name, (_, fn) in table.items() if fn is retry_transient} == {"hygiene", "launch_server"}
     assert {name for name, (_, fn) in table.items() if fn is None} == {"health_check", "identify-server"}
