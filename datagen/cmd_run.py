@@ -50,6 +50,7 @@ from tasks.config import (
     load_partition,
     project_root,
 )
+from tasks.inference import ServerReport
 from tasks.shards import OutputDir, OutputLocked
 
 if TYPE_CHECKING:
@@ -157,15 +158,15 @@ def _locked(cfg: PartitionConfig) -> OutputLocked | None:
 
 def server_lines(servers: list[dict[str, Any]]) -> list[str]:
     """What each server of a run did (only when there were several, or one was lost)."""
-    if len(servers) < 2 and not any(s.get("lost") for s in servers):
+    reports = [ServerReport.from_dict(s) for s in servers]
+    if len(reports) < 2 and not any(r.lost for r in reports):
         return []
     lines = []
-    for s in servers:
-        why = "; ".join([*s.get("drops", []), *([f"lost: {s['lost']}"] if s.get("lost") else []),
-                         *([f"not stopped: {s['left_running']}"] if s.get("left_running") else [])])
-        cached = f"{s['cached_pct']:.0f}% of prompt tokens cached, " if s.get("cached_pct") is not None else ""
-        lines.append(f"  server {s['server']}: {s['rows']} rows, {s['tokens_per_s']:.0f} tokens/s, {cached}"
-                     f"{s['launches']} launch(es), {s['state']}" + (f" ({why})" if why else ""))
+    for r in reports:
+        why = r.why()
+        cached = f"{r.cached_pct:.0f}% of prompt tokens cached, " if r.cached_pct is not None else ""
+        lines.append(f"  server {r.server}: {r.rows} rows, {r.tokens_per_s:.0f} tokens/s, {cached}"
+                     f"{r.launches} launch(es), {r.state}" + (f" ({why})" if why else ""))
     return lines
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -37,9 +38,10 @@ from prefect.runtime import task_run
 from prefect.utilities.annotations import quote
 
 from flows import runrecord
+from flows.lifecycle import Drop, DropKind, Lifecycle, Move, Phase
 from flows.retry import health_check, hygiene, identify_server, launch_server
 from tasks.artifacts import artifact_key
-from tasks.inference import Endpoint, ServerPool
+from tasks.inference import Endpoint, ServerPool, ServerReport
 from tasks.run import RunContext
 from tasks.server import HangWatchdog, ServerHandle
 from tasks.server.task import adopt_server, diagnose_server, plan_key, stop
@@ -59,16 +61,16 @@ class ServerResult:
 
     Args:
         name: the server (``host[gpu ...]`` or its URL).
-        state: "stopped" (served until the run ended), "never ready", "refused" (it would generate
-            other rows than the run's other servers) or "lost" (dropped past its budget).
+        phase: its terminal phase (flows.lifecycle.Phase): stopped (served until the run ended),
+            never ready, refused (it would generate other rows than the run's other servers) or lost.
         relaunches: relaunches used.
         gpu_seconds: GPUs x seconds the lifecycle held them (hygiene to stop); 0 for a shared server.
-        error: why it never became ready (the launch error), else None.
+        error: why it never became ready or was refused, else None.
         left_running: what could not be stopped ("" when all was).
     """
 
     name: str
-    state: str = "stopped"
+    phase: Phase = Phase.STOPPED
     relaunches: int = 0
     gpu_seconds: float = 0.0
     error: BaseException | None = None
@@ -128,7 +130,7 @@ class Fleet:
         try:
             return future.result()
         except BaseException as exc:  # the lifecycle never raises for its server; a crash is reported
-            return ServerResult(name, "lost", error=exc)
+            return ServerResult(name, Phase.LOST, error=exc)
 
     def wait_ready(self) -> None:
         """Wait for the first server to serve.
@@ -149,15 +151,12 @@ class Fleet:
         """The GPUs of the run's launched servers (at least 1)."""
         return max(1, sum(len(member.gpus) for _, member in self.members))
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[ServerReport]:
         """Per server: rows, tokens/s, launches, state, why it was dropped or lost, and whether it
         could not be stopped."""
         left = {r.name: r.left_running for r in self.results if r.left_running}
-        rows = self.pool.report()
-        for r in rows:
-            if r["server"] in left:
-                r["left_running"] = left[r["server"]]
-        return rows
+        return [dataclasses.replace(r, left_running=left[r.server]) if r.server in left else r
+                for r in self.pool.report()]
 
     # -- artifacts ---------------------------------------------------------------------------------
 
@@ -170,30 +169,27 @@ class Fleet:
         partition = self.ctx.cfg.name
         rows = self.report()
         for r in rows:
-            text = (f"{r['server']}: {r['rows']} rows, {r['tokens_per_s']:.0f} tokens/s, {r['state']}"
-                    + (f" ({r['lost']})" if r.get("lost") else ""))
-            pct = min(100.0, 100.0 * r["rows"] / self.total_rows)
+            text = f"{r.server}: {r.rows} rows, {r.tokens_per_s:.0f} tokens/s, {r.state}" + (f" ({r.lost})" if r.lost else "")
+            pct = min(100.0, 100.0 * r.rows / self.total_rows)
             try:
-                artifact = self._artifacts.get(r["server"])
+                artifact = self._artifacts.get(r.server)
                 if artifact is None:
-                    created = create_progress_artifact(pct, key=artifact_key("server", partition, r["server"]),
+                    created = create_progress_artifact(pct, key=artifact_key("server", partition, r.server),
                                                        description=text)
-                    self._artifacts[r["server"]] = created  # type: ignore[assignment]
+                    self._artifacts[r.server] = created  # type: ignore[assignment]
                 else:
                     update_progress_artifact(artifact, pct, description=text)
             except Exception as exc:  # observability must never fail the run
                 logger.warning("server progress artifact not updated: %s", exc)
-        summary = "; ".join(f"{r['server']} {r['rows']} rows {r['tokens_per_s']:.0f} tok/s {r['state']}" for r in rows)
+        summary = "; ".join(f"{r.server} {r.rows} rows {r.tokens_per_s:.0f} tok/s {r.state}" for r in rows)
         logger.info("servers%s: %s", " (final)" if final else "", summary)
         if not final:
             return
         lines = [f"# Servers of {partition}", "", "| server | state | rows | tokens/s | launches | dropped / lost |",
                  "|---|---|---|---|---|---|"]
         for r in rows:
-            why = "; ".join([*r["drops"], *([f"lost: {r['lost']}"] if r.get("lost") else []),
-                             *([f"not stopped: {r['left_running']}"] if r.get("left_running") else [])])
-            lines.append(f"| {r['server']} | {r['state']} | {r['rows']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['launches']} | {why.replace('|', '/')} |")
+            lines.append(f"| {r.server} | {r.state} | {r.rows} | {r.tokens_per_s:.0f} | "
+                         f"{r.launches} | {r.why().replace('|', '/')} |")
         try:
             create_markdown_artifact("\n".join(lines) + "\n", key=artifact_key("servers", partition),
                                      description=summary[:500])
@@ -206,17 +202,19 @@ def _lifecycle_name() -> str:
 
 
 class _Server:
-    """The state of one lifecycle: the server now running (if any), relaunches, GPU time held."""
+    """The state of one lifecycle: its phase (``life``), the server now running (if any), GPU time held."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.life = Lifecycle(budget=ctx.cfg.max_relaunches if ctx.launches else 0)
         self.handle: ServerHandle | None = None
-        self.relaunches = 0
         self.fingerprint = ctx.fingerprint
         self.started: float | None = None
+        self.error: BaseException | None = None  # why it never became ready, or was refused
         # the pid of a server a launch started and has not handed back as its handle: when the launch
         # then fails, that server may still run (its host was lost between the start and the leash)
         self.unowned: int | None = None
+        self.stray_launch = False  # a launch failed and may have left a server running: clean its GPUs at the end
 
     @property
     def endpoint(self) -> Endpoint:
@@ -234,117 +232,129 @@ class _Server:
             return contextlib.nullcontext()
         return HangWatchdog(self.handle, self.ctx.cfg.hang_timeout_s, get_run_logger())
 
-    def result(self, name: str, state: str, error: BaseException | None = None) -> ServerResult:
+    def result(self, name: str, left_running: str) -> ServerResult:
         held = time.monotonic() - self.started if self.ctx.launches and self.started is not None else 0.0
-        return ServerResult(name, state, self.relaunches, held * len(self.ctx.gpus), error)
+        return ServerResult(name, self.life.phase, self.life.relaunches, held * len(self.ctx.gpus), self.error,
+                            left_running)
 
 
 @task(name="serve-server", task_run_name=_lifecycle_name, cache_policy=NONE)
 def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threading.Event) -> ServerResult:
-    """One server's lifecycle for the whole run, stage by stage: hygiene -> launch (tuned) ->
-    health -> serve -> (relaunch within the budget) -> stop. A shared server (``run.server_url``)
+    """One server's lifecycle for the whole run (flows.lifecycle): serve once, again after each
+    relaunch, until it reaches a terminal phase; then stop. A shared server (``run.server_url``)
     is identified, checked and served only. Never raises for the server's sake: a server that never
     becomes ready or is lost is reported and the run goes on with the others."""
-    logger = get_run_logger()
     server = _Server(ctx)
-    stray_launch = False  # a launch failed and may have left a server running: clean its GPUs at the end
-    why = ""  # why the last server was dropped ("" until one served)
-    result: ServerResult | None = None
+    server.life.move(Move.START)
+    left = ""
     try:
-        while result is None:
-            try:
-                _bring_up(server, why)
-            except Exception as exc:
-                lost_host = ctx.launches and not reachable(ctx.target)
-                unowned, server.unowned = server.unowned, None
-                if unowned is not None:
-                    logger.warning("a failed launch on %s had started pid %s: its GPUs are cleaned when this "
-                                   "server's lifecycle ends", ctx.host, unowned)
-                stray_launch = stray_launch or lost_host or unowned is not None
-                if lost_host and server.relaunches < ctx.cfg.max_relaunches and _wait_reachable(ctx, closing):
-                    if server.handle is None:
-                        server.relaunches += 1  # a relaunch of a known server counts its own
-                    pool.expect(name, "relaunching")
-                    continue
-                reason = f"{type(exc).__name__}: {_short(exc)}"
-                if not why:
-                    pool.give_up(name, f"never ready: {reason}")
-                    logger.error("server %s never became ready (skipped): %s", name, reason)
-                    result = server.result(name, "never ready", exc)
-                else:
-                    pool.give_up(name, f"{why}; relaunch failed: {reason}")
-                    logger.error("server %s lost: relaunch failed: %s", name, reason)
-                    result = server.result(name, "lost")
-                break
-            try:
-                lane = pool.add(name, server.endpoint, recoverable=ctx.launches)
-            except ValueError as exc:  # it would generate other rows than the run's other servers
-                pool.give_up(name, f"refused: {exc}")
-                logger.error("server %s refused (skipped): %s", name, exc)
-                result = server.result(name, "refused", exc)
-                break
-            logger.info("server %s serving at %s", name, lane.endpoint.url)
-            with server.watchdog() as dog:
-                lane.dropped.wait()
-            if pool.closed:
-                result = server.result(name, "stopped")
-                break
-            why = _why_dropped(server, dog)
-            lane.reason = f"{why}: {lane.reason}"
-            lost = _relaunch_or_lose(server, name, why, lane.reason, pool, closing)
-            if lost:
-                result = server.result(name, "lost")
+        while not server.life.phase.terminal:
+            _serve_once(server, name, pool, closing)
     finally:
-        left = _end(server, name, stray_launch)
-    assert result is not None
-    result.left_running = left
-    return result
+        left = _end(server, name)
+        get_run_logger().info("server %s lifecycle: %s", name, server.life.path())
+    return server.result(name, left)
 
 
-def _relaunch_or_lose(server: _Server, name: str, why: str, reason: str, pool: ServerPool,
-                      closing: threading.Event) -> bool:
-    """After a drop: True (and the server given up) when it is not relaunched; else the pool
-    expects it back."""
-    ctx = server.ctx
-    budget = ctx.cfg.max_relaunches
-    nxt = (f"its lifecycle relaunches it (relaunch {server.relaunches + 1}/{budget})"
-           if ctx.launches and server.relaunches < budget else "not relaunched")
+def _serve_once(server: _Server, name: str, pool: ServerPool, closing: threading.Event) -> None:
+    """One bring-up and, when it serves, one serving spell, each outcome a move of the lifecycle."""
+    ctx, life, logger = server.ctx, server.life, get_run_logger()
+    try:
+        _bring_up(server)
+    except Exception as exc:
+        _bring_up_failed(server, name, exc, pool, closing)
+        return
+    try:
+        lane = pool.add(name, server.endpoint, recoverable=ctx.launches)
+    except ValueError as exc:  # it would generate other rows than the run's other servers
+        pool.give_up(name, f"refused: {exc}")
+        logger.error("server %s refused (skipped): %s", name, exc)
+        server.error = exc
+        life.move(Move.REFUSE)
+        return
+    life.move(Move.READY)
+    logger.info("server %s serving at %s", name, lane.endpoint.url)
+    with server.watchdog() as dog:
+        lane.dropped.wait()
+    if pool.closed:
+        life.move(Move.STOP)
+        return
+    life.dropped(_why_dropped(server, dog))
+    lane.reason = f"{life.drop}: {lane.reason}"
+    _relaunch_or_lose(server, name, lane.reason, pool, closing)
+
+
+def _bring_up_failed(server: _Server, name: str, exc: Exception, pool: ServerPool, closing: threading.Event) -> None:
+    """A bring-up raised: try again once its lost host answers (within the budget), else the server
+    never became ready (first bring-up) or is lost (a relaunch)."""
+    ctx, life, logger = server.ctx, server.life, get_run_logger()
+    lost_host = ctx.launches and not reachable(ctx.target)
+    unowned, server.unowned = server.unowned, None
+    if unowned is not None:
+        logger.warning("a failed launch on %s had started pid %s: its GPUs are cleaned when this "
+                       "server's lifecycle ends", ctx.host, unowned)
+    server.stray_launch = server.stray_launch or lost_host or unowned is not None
+    if lost_host and life.budget_left and _wait_reachable(ctx, closing):
+        life.move(Move.RETRY)
+        pool.expect(name, "relaunching")
+        return
+    reason = f"{type(exc).__name__}: {_short(exc)}"
+    if life.phase is Phase.STARTING:
+        pool.give_up(name, f"never ready: {reason}")
+        logger.error("server %s never became ready (skipped): %s", name, reason)
+        server.error = exc
+    else:
+        pool.give_up(name, f"{life.drop}; relaunch failed: {reason}")
+        logger.error("server %s lost: relaunch failed: %s", name, reason)
+    life.move(Move.FAIL)
+
+
+def _relaunch_or_lose(server: _Server, name: str, reason: str, pool: ServerPool, closing: threading.Event) -> None:
+    """After a drop: relaunch within the budget once the host answers, else give the server up."""
+    ctx, life = server.ctx, server.life
+    drop = life.drop
+    assert drop is not None
+    nxt = (f"its lifecycle relaunches it (relaunch {life.relaunches + 1}/{life.budget})" if life.budget_left
+           else "not relaunched")
     get_run_logger().warning("server %s dropped: %s; rows done are safe on disk; %s", name, reason, nxt)
     if not ctx.launches:
-        return True  # someone else's server: not ours to relaunch
-    if server.relaunches >= budget:
-        pool.give_up(name, f"{why}; relaunch budget spent ({budget})")
-        return True
+        life.move(Move.GIVE_UP)  # someone else's server: not ours to relaunch
+        return
+    if not life.budget_left:
+        pool.give_up(name, f"{drop}; relaunch budget spent ({life.budget})")
+        life.move(Move.GIVE_UP)
+        return
     if not _wait_reachable(ctx, closing):
-        pool.give_up(name, f"host unreachable for {ctx.cfg.host_wait_s:g} s" if why == "host unreachable"
-                     else f"{why}; then its host was unreachable for {ctx.cfg.host_wait_s:g} s")
-        return True
+        waited = f"{ctx.cfg.host_wait_s:g} s"
+        pool.give_up(name, f"host unreachable for {waited}" if drop.kind is DropKind.HOST_UNREACHABLE
+                     else f"{drop}; then its host was unreachable for {waited}")
+        life.move(Move.GIVE_UP)
+        return
     pool.expect(name, "relaunching")
-    return False
+    life.move(Move.RELAUNCH)
 
 
-def _bring_up(server: _Server, why: str) -> None:
+def _bring_up(server: _Server) -> None:
     """The lifecycle's first stages: hygiene -> launch -> health (a shared server: identify ->
-    health). ``why``: why the running server was dropped, when this is a relaunch (it is stopped
-    first, and a runtime OOM starts the relaunch lower)."""
-    ctx = server.ctx
+    health). A relaunch stops the dropped server first, and after a runtime OOM starts lower."""
+    ctx, life = server.ctx, server.life
     if server.started is None:
         server.started = time.monotonic()
     if not ctx.launches:
         server.fingerprint = identify_server(ctx)
-    elif server.handle is None and not why and _adopted(server):
+    elif life.phase is Phase.STARTING and server.handle is None and _adopted(server):
         return  # a dead run's server, kept by its guardian for this run: no hygiene, no launch
     else:
         phase, reason = "before-launch", ""
-        if server.handle is not None:  # a relaunch
-            server.relaunches += 1
+        if server.handle is not None:  # the dropped server, to replace
             _tag_run(ctx.run_id, RELAUNCHED_TAG)
-            oom = why == "died (too_high)"
-            reason = (f"a runtime OOM at {server.handle.fraction}" if oom else why) or "the server was dropped"
+            drop = life.drop
+            reason = (f"a runtime OOM at {server.handle.fraction}" if drop is not None and drop.runtime_oom
+                      else str(drop or "the server was dropped"))
             _stop(server)
-            phase = f"relaunch-{server.relaunches}"
+            phase = f"relaunch-{life.relaunches}"
         hygiene(ctx, phase)
-        server.handle = launch_server(ctx, attempt=server.relaunches + 1, reason=reason,
+        server.handle = launch_server(ctx, attempt=life.relaunches + 1, reason=reason,
                                       on_started=_record_started(server))
         server.unowned = None  # the handle owns it now
         _record_ready(server)
@@ -445,7 +455,7 @@ def _tag_run(run_id: str | None, tag: str) -> None:
         get_run_logger().warning("flow run not tagged %r: %s", tag, exc)
 
 
-def _end(server: _Server, name: str, stray_launch: bool) -> str:
+def _end(server: _Server, name: str) -> str:
     """The last stage: stop the server; when its host does not answer, wait for it (at most
     ``run.host_wait_s``) so that nothing is left running: stop it then, or clean its GPUs when a
     launch failed there with its host unreachable or after it had started a server (a host lost
@@ -459,7 +469,7 @@ def _end(server: _Server, name: str, stray_launch: bool) -> str:
         try:
             if server.handle is not None:
                 _stop(server)
-            elif stray_launch:
+            elif server.stray_launch:
                 hygiene(ctx, "after-failed-launch")
             return ""
         except Exception as exc:
@@ -474,20 +484,20 @@ def _end(server: _Server, name: str, stray_launch: bool) -> str:
             return f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
 
 
-def _why_dropped(server: _Server, dog: Any) -> str:
-    """Why a launched server was dropped: hung (the watchdog killed it), host unreachable, its port
-    forward ended, or died (the log's classification; a runtime OOM is recorded so the relaunch
-    starts lower)."""
+def _why_dropped(server: _Server, dog: Any) -> Drop:
+    """Why a server was dropped: hung (the watchdog killed it), host unreachable, its port forward
+    ended, or died (the log's classification; a runtime OOM is recorded so the relaunch starts
+    lower); a server that is not ours is just gone."""
     ctx = server.ctx
     if getattr(dog, "fired", False):
-        return f"hung (/health_generate failed for {ctx.cfg.hang_timeout_s:g} s while it ran; killed)"
+        return Drop(DropKind.HUNG, hang_s=ctx.cfg.hang_timeout_s)
     if server.handle is None:
-        return "gone"
+        return Drop(DropKind.GONE)
     if not reachable(ctx.target):
-        return "host unreachable"
+        return Drop(DropKind.HOST_UNREACHABLE)
     if not server.handle.route_open():
-        return "connection to its host lost (the SSH port forward ended)"
-    return f"died ({diagnose_server(ctx, _unlinked(server.handle))})"
+        return Drop(DropKind.ROUTE_LOST)
+    return Drop(DropKind.DIED, diagnose_server(ctx, _unlinked(server.handle)))
 
 
 def reachable(target: str) -> bool:

@@ -52,7 +52,7 @@ class Outcome:
         assert self.validation is not None
         return {"partition": self.ctx.cfg.name, "out_dir": str(self.ctx.plan.out_dir), "latest": self.latest,
                 "shards": self.progress.done_shards, "rows": self.progress.rows,
-                "validation": self.validation["summary"], "servers": self.fleet.report()}
+                "validation": self.validation["summary"], "servers": [r.to_dict() for r in self.fleet.report()]}
 
 
 def progress_of(ctx: RunContext) -> Progress:

@@ -23,7 +23,7 @@ from tasks.inference._client import (
     default_concurrency,
     server_error_message,
 )
-from tasks.inference._dispatch import Dispatcher, Lane, PrefixRoutes, ServerPool
+from tasks.inference._dispatch import Dispatcher, Lane, PrefixRoutes, ServerPool, ServerReport
 from tasks.inference._driver import OpenedDataset, open_dataset, run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
 from tasks.inference._order import ORDERS, prefix_order
@@ -67,6 +67,7 @@ __all__ = [
     "RequestRejected",
     "ServerGone",
     "ServerPool",
+    "ServerReport",
     "ShardProgress",
     "TruncationPolicy",
     "check_resume",

@@ -26,7 +26,7 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tasks.inference._client import (
@@ -41,7 +41,7 @@ from tasks.inference._client import (
 )
 from tasks.inference._settings import Endpoint
 
-__all__ = ["Dispatcher", "Lane", "PrefixRoutes", "ServerPool"]
+__all__ = ["Dispatcher", "Lane", "PrefixRoutes", "ServerPool", "ServerReport"]
 
 
 class Lane:
@@ -258,7 +258,7 @@ class ServerPool:
         for callback in listeners:
             callback()
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[ServerReport]:
         """Per session: rows, tokens, requests, time served, state and why it was dropped or lost."""
         with self._lock:
             lanes = list(self.lanes)
@@ -277,16 +277,47 @@ class ServerPool:
                 state = mine[-1].state
             else:
                 state = pending.get(name) or ("stopped" if mine else "not started")
-            out.append({
-                "server": name, "state": state, "rows": sum(lane.rows for lane in mine),
-                "completion_tokens": tokens, "requests": sum(lane.requests for lane in mine),
-                "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
-                "cached_pct": round(100.0 * sum(lane.cached_tokens for lane in mine) / prompt, 1) if prompt else None,
-                "launches": len(mine), "urls": [lane.endpoint.url for lane in mine],
-                "drops": [lane.reason for lane in mine if lane.reason],
-                "lost": lost.get(name),
-            })
+            out.append(ServerReport(
+                server=name, state=state, rows=sum(lane.rows for lane in mine), completion_tokens=tokens,
+                requests=sum(lane.requests for lane in mine),
+                tokens_per_s=round(tokens / seconds, 1) if seconds > 0 else 0.0,
+                cached_pct=round(100.0 * sum(lane.cached_tokens for lane in mine) / prompt, 1) if prompt else None,
+                launches=len(mine), urls=[lane.endpoint.url for lane in mine],
+                drops=[lane.reason for lane in mine if lane.reason], lost=lost.get(name),
+            ))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerReport:
+    """What one server of a run did: the one report the fleet's artifacts, the run's summary (as
+    ``to_dict``) and ``datagen run``'s closing lines (``from_dict``) are written from."""
+
+    server: str
+    state: str  # serving, finished, stopped, launching, relaunching, never ready, lost, not started
+    rows: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
+    tokens_per_s: float = 0.0
+    cached_pct: float | None = None  # of prompt tokens, served from its prefix cache
+    launches: int = 0
+    urls: list[str] = dataclasses.field(default_factory=list)
+    drops: list[str] = dataclasses.field(default_factory=list)  # why each of its servers was dropped
+    lost: str | None = None  # why it was given up
+    left_running: str = ""  # what could not be stopped
+
+    def why(self) -> str:
+        """Its drops, why it was lost and what was left running, in one line ("" when none)."""
+        return "; ".join([*self.drops, *([f"lost: {self.lost}"] if self.lost else []),
+                          *([f"not stopped: {self.left_running}"] if self.left_running else [])])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServerReport:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 class PrefixRoutes:

@@ -25,6 +25,7 @@ from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
 from tasks.inference import Endpoint, external_fingerprint
 from tasks.run import RunContext
 from tasks.server import (
+    Failure,
     LaunchReport,
     ServerHandle,
     adopt_running,
@@ -198,10 +199,10 @@ def identify_server(ctx: RunContext) -> str:
 
 
 @task(task_run_name=run_name("recover-{host}-{gpus}"), cache_policy=NONE)
-def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
+def diagnose_server(ctx: RunContext, handle: ServerHandle) -> Failure:
     """The server stopped answering: read its log, and on a runtime OOM (classified ``too_high``)
     record it so that the relaunch starts lower; the server's launch artifact is updated to say
-    it died. Returns the failure kind."""
+    it died. Returns the log's classification."""
     logger = get_run_logger()
     try:
         text = handle.read_log()
@@ -219,7 +220,7 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> str:
                            entry.runtime_oom_at, ctx.host)
     if ctx.run_id:
         _mark_launch_died(ctx.run_id, handle.pid, f"exit {status}: {failure.kind}: {failure.explanation}")
-    return str(failure.kind)
+    return failure
 
 
 def _mark_launch_died(run_id: str, pid: int, why: str) -> None:

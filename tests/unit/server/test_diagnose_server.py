@@ -46,11 +46,11 @@ CTX = SimpleNamespace(host="local", target="local", parser=None, run_id=None,
 @pytest.mark.parametrize("line", ["Decode out of memory. Try to lower your batch size.",
                                   "Prefill out of memory. Try to lower your batch size."])
 def test_kv_pool_exhaustion_is_not_recorded_as_a_runtime_oom(recorded: list[dict[str, Any]], line: str) -> None:
-    assert stages.diagnose_server.fn(CTX, _Gone(f"[2026-12-01] {line}\n", 0.85)) == "kv_pool_exhausted"
+    assert stages.diagnose_server.fn(CTX, _Gone(f"[2026-12-01] {line}\n", 0.85)).kind == "kv_pool_exhausted"
     assert recorded == []
 
 
 def test_a_cuda_oom_at_sglangs_default_is_recorded_with_the_log(recorded: list[dict[str, Any]]) -> None:
     log = "server_args={'mem_fraction_static': 0.716}\ntorch.OutOfMemoryError: CUDA out of memory.\n"
-    assert stages.diagnose_server.fn(CTX, _Gone(log, None)) == "too_high"
+    assert stages.diagnose_server.fn(CTX, _Gone(log, None)).kind == "too_high"
     assert recorded == [{"fraction": None, "log_text": log}]
