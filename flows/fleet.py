@@ -399,7 +399,7 @@ def _adopted(server: _Server) -> bool:
             continue
         if handle is None:
             continue
-        runrecord.server_state(dead_run, entry.pid, "adopted", entry.target)
+        runrecord.server_state(dead_run, entry.pid, runrecord.ServerState.ADOPTED, entry.target)
         runrecord.server_started(ctx.run_id, ctx.target, handle.pid, handle.pgid)
         server.handle = handle
         _record_ready(server)
@@ -439,7 +439,7 @@ def _stop(server: _Server) -> None:
         stop(server.ctx, _unlinked(handle))
         server.handle = None
         with contextlib.suppress(OSError):  # the record is for recovery; a stopped server needs none
-            runrecord.server_state(server.ctx.run_id, handle.pid, "stopped", server.ctx.target)
+            runrecord.server_state(server.ctx.run_id, handle.pid, runrecord.ServerState.STOPPED, server.ctx.target)
 
 
 def _tag_run(run_id: str | None, tag: str) -> None:

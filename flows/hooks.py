@@ -23,7 +23,7 @@ from flows import runrecord
 from flows.gpulimit import host_of, release_lease
 from tasks.artifacts import artifact_key
 from tasks.config import load_partition
-from tasks.gpus import SIM_GPUS_NOTE
+from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE
 from tasks.hygiene import clean_gpus
 
 __all__ = ["cleanup_hook"]
@@ -56,10 +56,11 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         logger.info("cleanup hook (%s): the run never held a GPU slot; nothing of ours to clean", state.name)
         return
     sim = record.sim_gpus
-    if sim and not os.environ.get("DATAGEN_SIM_GPUS"):
+    if sim and not os.environ.get(SIM_GPUS_ENV):
         # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.
-        os.environ["DATAGEN_SIM_GPUS"] = sim
+        os.environ[SIM_GPUS_ENV] = sim
     lines = [f"# Cleanup after {state.name}", ""]
+    verdicts: list[str] = []  # hygiene's verdict per target
     # This run's local servers, recorded as soon as each process existed (a server still loading
     # included): ended by process group once their pid and start time are checked, never by a
     # bare pgid that may name another session by now. Remote ones go to hygiene as extra_pids.
@@ -69,11 +70,12 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
             if ended:
                 logger.info("cleanup hook: ended server pid %s (process group %s)", entry.pid, entry.pgid)
                 lines += [f"server pid {entry.pid} (process group {entry.pgid}): ended", ""]
-            runrecord.server_state(run_id, entry.pid, "ended" if ended else "gone", entry.target)
+            runrecord.server_state(run_id, entry.pid, runrecord.ServerState.ENDED if ended else runrecord.ServerState.GONE,
+                                  entry.target)
     for target in targets:
         pids = tuple(
             s.pgid or s.pid for s in record.servers
-            if s.target == target and target != "local" and s.state not in ("stopped", "ended")
+            if s.target == target and target != "local" and not s.done
         )
         try:
             # Each target's own servers' GPUs when recorded (several servers per run), else the run's.
@@ -87,6 +89,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         level = logger.info if verdict == "clean" else logger.error
         level("cleanup hook (%s) on %s: %s\n%s", state.name, host_of(target), verdict, summary)
         lines += [f"## `{host_of(target)}`: {verdict}", "", "```", summary, "```", ""]
+        verdicts.append(verdict)
     lease = None if record.lease_released else record.lease  # gpu_slots let it go on the way out
     released = False
     if lease:
@@ -94,7 +97,6 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         logger.info("cleanup hook: gpu slot lease %s %s", lease, "released" if released else "already gone")
         lines.append(f"gpu slot lease {lease}: {'released' if released else 'already gone'}")
     partition = str(record.partition or Path(str(params.get("partition", "all"))).stem)
-    verdicts = [ln.rsplit(": ", 1)[-1] for ln in lines if ln.startswith("## ")]
     verdict = "CLEAN" if verdicts and all(v == "clean" for v in verdicts) else "NOT CLEAN" if verdicts else "NOTHING"
     _artifact(flow_run.id, "\n".join(lines), logger, key=artifact_key("hygiene-cleanup", partition),
               description=f"{verdict}: GPU hygiene after {state.name} ({partition})")

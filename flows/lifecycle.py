@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tasks.errors import DatagenError
 from tasks.server import Failure
 
 __all__ = ["TRANSITIONS", "Drop", "DropKind", "IllegalMove", "Lifecycle", "Move", "Phase"]
@@ -85,7 +86,7 @@ TRANSITIONS: dict[tuple[Phase, Move], Phase] = {
 _SPENDS_BUDGET = frozenset({Move.RETRY, Move.RELAUNCH})
 
 
-class IllegalMove(RuntimeError):
+class IllegalMove(DatagenError, RuntimeError):
     """A move the phase does not allow: a bug in the driver of the lifecycle."""
 
 
@@ -156,7 +157,7 @@ class Lifecycle:
         return to
 
     def path(self) -> str:
-        """The phases so far, e.g. ``starting -> serving -> dropped -> relaunching -> serving -> stopped``."""
+        """The phases so far, e.g. ``pending -> starting -> serving -> dropped -> relaunching -> serving -> stopped``."""
         return " -> ".join([str(self.history[0][0]) if self.history else str(self.phase),
                             *(str(to) for _, _, to in self.history)])
 

@@ -17,6 +17,7 @@ live in artifacts, not here.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import socket
@@ -51,13 +52,24 @@ __all__ = [
     "release_dead_leases",
     "server_ready",
     "server_started",
+    "ServerState",
     "server_state",
     "summarised",
 ]
 
-# A server that needs nothing more: stopped by its run, ended by a hook or a later run, gone, or
-# adopted by a later run (whose own record has it from then on).
-DONE_STATES = ("stopped", "ended", "gone", "adopted")
+class ServerState(enum.StrEnum):
+    """A recorded server's state (its JSON spelling)."""
+
+    STARTING = "starting"  # its process exists, not yet ready
+    READY = "ready"  # serving; a dead run's ready server may be adopted
+    STOPPED = "stopped"  # by its run
+    ENDED = "ended"  # by a hook or a later run
+    GONE = "gone"  # found dead
+    ADOPTED = "adopted"  # by a later run, whose own record has it from then on
+
+
+# A server that needs nothing more.
+DONE_STATES = frozenset({ServerState.STOPPED, ServerState.ENDED, ServerState.GONE, ServerState.ADOPTED})
 
 
 @dataclass(frozen=True)
@@ -270,7 +282,7 @@ def server_started(flow_run_id: str | None, target: str, pid: int, pgid: int) ->
     """A server process exists (``on_started``): recorded before it is ready, with its process group
     and, for a local one, its start time (what :func:`end_server` checks before signalling)."""
     entry = ServerEntry(pid=pid, target=target, pgid=pgid, started=process_started(pid) if target == "local" else None,
-                        host=socket.gethostname(), state="starting")
+                        host=socket.gethostname(), state=ServerState.STARTING)
     _change(flow_run_id, lambda r: r.servers.append(entry))
 
 
@@ -283,12 +295,12 @@ def server_ready(flow_run_id: str | None, pid: int, *, target: str, pgid: int, u
         if entry is None:
             entry = ServerEntry(pid=pid, target=target, host=socket.gethostname())
             r.servers.append(entry)
-        entry.target, entry.pgid, entry.url, entry.log, entry.state = target, pgid, url, log, "ready"
+        entry.target, entry.pgid, entry.url, entry.log, entry.state = target, pgid, url, log, ServerState.READY
         entry.plan, entry.port, entry.fraction = plan, port, fraction
     _change(flow_run_id, change)
 
 
-def server_state(flow_run_id: str | None, pid: int, state: str, target: str | None = None) -> None:
+def server_state(flow_run_id: str | None, pid: int, state: ServerState, target: str | None = None) -> None:
     """The recorded server with this pid (and target) is ``state`` now: stopped, ended or gone."""
     def change(r: RunRecord) -> None:
         entry = r.server(pid, target)
@@ -373,7 +385,7 @@ def adoptable(exclude: str | None, target: str, plan: str) -> list[tuple[str, Se
     model, flags, GPUs and row fingerprint: tasks.server.task.plan_key), newest run first: what a new
     run may adopt while their guardians wait out their grace."""
     found = [(run_id, e) for run_id, r in dead_runs(exclude) for e in r.servers
-             if e.state == "ready" and e.target == target and e.plan == plan and e.port is not None]
+             if e.state == ServerState.READY and e.target == target and e.plan == plan and e.port is not None]
     return list(reversed(found))
 
 
@@ -387,14 +399,14 @@ def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[t
         for entry in record.servers:
             if entry.done or not entry.local:
                 continue
-            if entry.state == "ready" and guardian_state(entry.target, entry.pgid or entry.pid).startswith("waiting"):
+            if entry.state == ServerState.READY and guardian_state(entry.target, entry.pgid or entry.pid).startswith("waiting"):
                 continue
             try:
                 done = end_server(entry, grace_s)
             except Exception:
                 continue
             # Into the latest record: a hook may have written meanwhile.
-            server_state(run_id, entry.pid, "ended" if done else "gone", entry.target)
+            server_state(run_id, entry.pid, ServerState.ENDED if done else ServerState.GONE, entry.target)
             if done:
                 ended.append((run_id, entry))
     return ended

@@ -31,6 +31,7 @@ Each family lives with the code that raises it and keeps the built-in base its c
     ├── BadOutput                             no      tasks.validation
     ├── ValidationFailed                      no      tasks.validation
     ├── SlotTimeout (RuntimeError)            no      flows.gpulimit (another run held the GPU host too long)
+    ├── IllegalMove (RuntimeError)            no      flows.lifecycle (a bug: a move a server's phase does not allow)
     ├── ApiServerError (RuntimeError)         no      datagen._api_server
     ├── UpError (RuntimeError)                no      datagen.cmd_up
     └── DatabaseUnreachable (ConnectionError) no      datagen._database (the caller fixes the URL or starts it)

@@ -162,7 +162,7 @@ def _cmdline(pid: int) -> str:
 def _device_pattern() -> re.Pattern[str] | None:
     """What a GPU device node looks like here: the real /dev/nvidia* nodes, or with simulated GPUs
     stand-in files under ``DATAGEN_SIM_DEV_DIR`` (None: no device scan at all)."""
-    if not os.environ.get("DATAGEN_SIM_GPUS", "").strip():
+    if not os.environ.get(SIM_GPUS_ENV, "").strip():
         return _DEV_RE
     sim_dir = os.environ.get("DATAGEN_SIM_DEV_DIR", "").strip()
     if not sim_dir:
@@ -445,7 +445,7 @@ def read_gpus() -> tuple[str, list[GpuReading], list[GpuUser], list[str]]:
     """
     notes: list[str] = []
     backends: tuple[tuple[str, Any], ...] = _BACKENDS
-    if os.environ.get("DATAGEN_SIM_GPUS", "").strip():
+    if os.environ.get(SIM_GPUS_ENV, "").strip():
         # The emulator's nvidia-smi stand-in prints the simulated GPUs (the remote path in tests);
         # a real nvidia-smi or NVML would show the host's real GPUs.
         backends = tuple(b for b in _BACKENDS if b[0] == "sim" or (b[0] == "nvidia-smi" and _smi_is_stand_in()))

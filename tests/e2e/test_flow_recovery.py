@@ -107,6 +107,8 @@ def test_max_relaunches_is_one_budget_for_the_whole_run(
     assert proc.returncode == 1, text[-3000:]
     assert "hygiene-relaunch-1" in text and "hygiene-relaunch-2" not in text
     assert "ServerGone" in text and "its server process is dead" in text
+    # the lifecycle's moves, as it logs them: one relaunch, then the budget is spent
+    assert "lifecycle: pending -> starting -> serving -> dropped -> relaunching -> serving -> dropped -> lost" in text
     (record,) = records(tmp_path).values()
     assert len(record["servers"]) == 2
     assert all(not pid_alive(s["pid"]) for s in record["servers"])

@@ -154,6 +154,7 @@ def test_a_host_lost_mid_shard_costs_only_its_requests_in_flight(
     assert all(n == 1 for h in hosts if h is not victim
                for n in Counter(rid for ev, rid in events[h.address] if ev == "recv").values())
     assert f"server {victim.address}[gpu 0]: " in text and ", lost (" in text, text[-3000:]
+    assert f"server {victim.address}[gpu 0] lifecycle: pending -> starting -> serving -> dropped -> lost" in text, text[-3000:]
     assert not pid_alive(server["pid"])
     (record,) = records(tmp_path).values()
     assert not any(pid_alive(s["pid"]) for s in record["servers"])
@@ -297,5 +298,7 @@ def test_a_server_a_failed_launch_left_running_is_ended_with_its_lifecycle(
     assert_exactly_once(tmp_path / "out", {"ds": ids})
     assert mine and f"a failed launch on {victim.address} had started pid {mine[0]['pid']}" in text, text[-4000:]
     assert f"hygiene after-failed-launch on {victim.address}" in text, text[-4000:]
+    # the launch stage retried within its own budget; the lifecycle saw one failed bring-up
+    assert f"server {victim.address}[gpu 0] lifecycle: pending -> starting -> never ready" in text, text[-4000:]
     assert not any(pid_alive(s["pid"]) for s in record["servers"])
     assert all(g["used_mib"] == 0 for g in SimGpus(victim.sim_gpus).snapshot()["gpus"])

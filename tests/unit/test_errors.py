@@ -17,6 +17,7 @@ from datagen._notify import NotifyError
 from datagen.cli import COMMANDS
 from datagen.cmd_up import UpError
 from flows.gpulimit import SlotTimeout
+from flows.lifecycle import IllegalMove
 from tasks.config import ConfigError
 from tasks.errors import DatagenError
 from tasks.export import ExportError
@@ -50,7 +51,7 @@ NOT_RETRYABLE: set[type[DatagenError]] = {
     DatagenError, ConfigError, TemplateError, TargetError, ServerError, ServerConfigError, MemoryStoreError, ClientError,
     ServerGone, RequestRejected, PromptTooLong, ShardsError, OutputLocked, InputChanged, ManifestError,
     ExportError, ThresholdError, BadOutput, ValidationFailed, UpError, DamagedShards, UnrecordedShards, UnsafeFile,
-    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed, NoGpus, HeartbeatError,
+    SlotTimeout, ApiServerError, NotifyError, DatabaseUnreachable, WriteFailed, NoGpus, HeartbeatError, IllegalMove,
 }
 BY_KIND = {LaunchFailed}  # retryable depends on the instance's failure kind
 
@@ -61,7 +62,7 @@ USAGE: set[type[DatagenError]] = {
 }
 FAILED: set[type[DatagenError]] = {
     DatagenError, GpusNotClean, NoGpus, ServerError, LaunchFailed, StopFailed, MemoryStoreError, ClientError, ServerGone,
-    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError, WriteFailed,
+    RequestRejected, PromptTooLong, ValidationFailed, UpError, SlotTimeout, ApiServerError, WriteFailed, IllegalMove,
 }
 
 
