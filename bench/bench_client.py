@@ -33,6 +33,7 @@ from tasks.inference import (  # noqa: E402 - bench scripts run as files: the re
     Endpoint,
     GenerateClient,
     InferenceSettings,
+    ServerPool,
     run_dataset,
     run_dataset_async,
 )
@@ -135,7 +136,7 @@ async def _client(url: str, prompts: list[str], sampling: dict[str, Any]) -> flo
 
 def _e2e(url: str, inp: Path, out: Path, sampling: dict[str, Any]) -> tuple[float, int]:
     settings = InferenceSettings(model_dir=DEMO, shard_size=1000, concurrency=CONCURRENCY, sampling=sampling)
-    r = run_dataset(DatasetSpec("bench", inp), out, Endpoint(url, "bench"), settings)
+    r = run_dataset(DatasetSpec("bench", inp), out, ServerPool.of(Endpoint(url, "bench")), settings)
     return r.rows_generated / r.elapsed_s, r.rows_generated
 
 
@@ -155,7 +156,7 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
                 pass
 
     task = asyncio.create_task(sampler())
-    r = await run_dataset_async(DatasetSpec("util", inp), out, Endpoint(url, "bench"),
+    r = await run_dataset_async(DatasetSpec("util", inp), out, ServerPool.of(Endpoint(url, "bench")),
                                 InferenceSettings(model_dir=DEMO, shard_size=200, concurrency=None,
                                                   sampling={"max_new_tokens": 256}))
     done.set()
@@ -175,9 +176,9 @@ async def _utilisation(url: str, inp: Path, out: Path, n: int, slots: int) -> tu
 _MEM_CHILD = """
 import json, resource, sys
 from pathlib import Path
-from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, ServerPool, run_dataset
 a = json.loads(sys.argv[1])
-r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], Endpoint(a["url"], "bench"),
+r = run_dataset(DatasetSpec("mem", a["input"]), a["out"], ServerPool.of(Endpoint(a["url"], "bench")),
                 InferenceSettings(model_dir=a["model"], shard_size=1000, concurrency=64,
                                   sampling={"max_new_tokens": 16}))
 assert r.complete, r

@@ -23,6 +23,7 @@ from tasks.inference import (  # noqa: E402
     DatasetSpec,
     Endpoint,
     InferenceSettings,
+    ServerPool,
     ShardProgress,
     run_dataset,
 )
@@ -63,7 +64,7 @@ def _run(n: int, sigma: float) -> tuple[list[tuple[float, dict[str, float | None
 
             settings = InferenceSettings(model_dir=DEMO, shard_size=SHARD, concurrency=CONCURRENCY,
                                          sampling={"max_new_tokens": 4096, "temperature": 0.7})
-            run_dataset(DatasetSpec("eta", inp), d / "out", Endpoint(url, "bench"), settings, progress=on_progress)
+            run_dataset(DatasetSpec("eta", inp), d / "out", ServerPool.of(Endpoint(url, "bench")), settings, progress=on_progress)
             return events, time.monotonic() - started
         finally:
             _stop(proc)

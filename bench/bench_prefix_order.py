@@ -29,6 +29,7 @@ from tasks.inference import (  # noqa: E402
     DatasetSpec,
     Endpoint,
     InferenceSettings,
+    ServerPool,
     run_dataset,
 )
 from tests.support.emulator import DEMO_MODEL, start_emulator  # noqa: E402
@@ -56,7 +57,7 @@ def _run(inp: Path, out: Path, url: str, order: str) -> tuple[DatasetResult, flo
     settings = InferenceSettings(shard_size=256, concurrency=CONCURRENCY, sampling={"max_new_tokens": 48},
                                  model_dir=DEMO_MODEL, client=ClientConfig(max_attempts=3), order=order)
     t0 = time.perf_counter()
-    result = run_dataset(DatasetSpec("mix", inp), out, Endpoint(url, "bench"), settings)
+    result = run_dataset(DatasetSpec("mix", inp), out, ServerPool.of(Endpoint(url, "bench")), settings)
     return result, time.perf_counter() - t0
 
 

@@ -35,6 +35,7 @@ from tasks.inference import (  # noqa: E402
     DatasetSpec,
     Endpoint,
     InferenceSettings,
+    ServerPool,
     run_dataset,
 )
 from tasks.server import launch_tuned, stop_server  # noqa: E402
@@ -64,7 +65,7 @@ def _run(inp: Path, out: Path, url: str, model: Path, order: str) -> tuple[Datas
                                  sampling={"max_new_tokens": 8, "ignore_eos": True},
                                  model_dir=model, client=ClientConfig(max_attempts=3), order=order)
     t0 = time.perf_counter()
-    result = run_dataset(DatasetSpec("mix", inp), out, Endpoint(url, "bench"), settings)
+    result = run_dataset(DatasetSpec("mix", inp), out, ServerPool.of(Endpoint(url, "bench")), settings)
     return result, time.perf_counter() - t0
 
 

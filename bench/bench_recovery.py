@@ -37,8 +37,8 @@ _DRIVER = """
 import sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
-r = run_dataset(DatasetSpec("bench", Path({path!r})), {out!r}, Endpoint({url!r}, "bench-recovery"),
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, ServerPool, run_dataset
+r = run_dataset(DatasetSpec("bench", Path({path!r})), {out!r}, ServerPool.of(Endpoint({url!r}, "bench-recovery")),
                 InferenceSettings(model_dir={model!r}, shard_size={shard}, concurrency={conc},
                                   sampling={{"max_new_tokens": 512}}, reasoning_parser="qwen3", model_name="demo"))
 print("complete", r.complete, r.rows_generated, r.rows_resumed, flush=True)

@@ -3,8 +3,7 @@
 ``ServerPool`` is a run's set of servers as they come and go. It is thread-safe: the server sessions
 (one thread each) announce a server (``expect``), add it once ready (``add``: a ``Lane``), and learn
 from ``Lane.dropped`` that the dispatcher gave it up; they relaunch it or give up (``give_up``).
-``run_dataset`` takes a ServerPool where it takes an ``Endpoint`` and then generates through a
-``Dispatcher`` (one per event loop): a request takes a free slot of a serving lane, and a request
+``run_dataset`` generates through a ``Dispatcher`` over the pool (one per event loop): a request takes a free slot of a serving lane, and a request
 whose server is gone (``ServerGone`` from that lane's client) drops the lane and takes a slot of
 another, so a lost server costs only the requests it had in flight; finished rows were returned
 (and journaled) once. The dispatcher raises ``ServerGone`` only when no lane serves and no session
@@ -30,7 +29,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tasks.inference._client import (
-    DEFAULT_CONCURRENCY,
     ClientConfig,
     ClientStats,
     GenerateClient,
@@ -75,13 +73,9 @@ class Lane:
 
 
 class ServerPool:
-    """The servers of a run (see the module docstring).
+    """The servers of a run (see the module docstring); one server is a pool of one (``of``)."""
 
-    Args:
-        max_workers_per_server: requests in flight per server when the run's concurrency is unset.
-    """
-
-    def __init__(self, max_workers_per_server: int = DEFAULT_CONCURRENCY) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.lanes: list[Lane] = []
@@ -89,8 +83,15 @@ class ServerPool:
         self._names: list[str] = []  # every session announced, in order
         self.lost: dict[str, str] = {}  # session name -> why it was given up
         self._listeners: list[Callable[[], None]] = []
-        self.max_workers_per_server = max_workers_per_server
         self.closed = False
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, name: str | None = None) -> ServerPool:
+        """A pool of the one server at ``endpoint``, someone else's: once it is gone, the pool is
+        exhausted (nothing brings it back)."""
+        pool = cls()
+        pool.add(name or endpoint.url, endpoint, recoverable=False)
+        return pool
 
     # -- sessions (any thread) ---------------------------------------------------------------------
 
@@ -196,12 +197,10 @@ class ServerPool:
                     return False
                 self._changed.wait(left)
 
-    def capacity(self, per_server: int | None) -> int:
-        """Requests in flight the whole pool can take: ``per_server`` (else the pool's default) for
-        every session announced that has not been given up."""
-        with self._lock:
-            n = sum(1 for name in self._names if name not in self.lost) or 1
-        return n * (per_server or self.max_workers_per_server)
+    def capacity(self, per_server: int) -> int:
+        """Requests in flight the whole pool can take: ``per_server`` for every session announced
+        that has not been given up."""
+        return max(1, self.size()) * per_server
 
     def size(self) -> int:
         """Servers announced and not given up (serving, launching or recovering)."""
@@ -220,27 +219,17 @@ class ServerPool:
                 reasons.setdefault(lane.name, lane.reason)
         return "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no server was added"
 
-    # Endpoint-like attributes, for run_dataset's probe of the server (model name, concurrency).
-    def _first(self) -> Lane:
+    def first(self) -> Endpoint:
+        """The first serving server: the run's probe of ``/server_info`` and the rows' fingerprint
+        (every server of a pool generates alike, ``add`` checks it).
+
+        Raises:
+            ServerGone: none serves.
+        """
         lanes = self.serving()
         if not lanes:
             raise ServerGone(f"no server is serving ({self.why_none()})")
-        return lanes[0]
-
-    @property
-    def url(self) -> str:
-        return self._first().endpoint.url
-
-    @property
-    def api_key(self) -> str | None:
-        return self._first().endpoint.api_key
-
-    @property
-    def fingerprint(self) -> str:
-        """The servers' fingerprint (all alike): the rows' ``server`` column."""
-        return self._first().endpoint.fingerprint
-
-    alive = None
+        return lanes[0].endpoint
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         with self._lock:

@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from tasks.inference._client import ClientConfig, GenerateClient, ServerGone, default_concurrency
+from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._dispatch import Dispatcher, ServerPool
 from tasks.inference._gc import young_generation
 from tasks.inference._pool import InferencePool
@@ -36,7 +36,7 @@ from tasks.inference._provenance import (
 )
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress, estimate_records
 from tasks.inference._resume import check_resume
-from tasks.inference._settings import AUTO, Endpoint, InferenceSettings
+from tasks.inference._settings import AUTO, InferenceSettings
 from tasks.prompts import ChatTemplate, InputRow, input_fingerprint, iter_dataset
 from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import InputSlice, OutputDir, ShardRecord
@@ -152,7 +152,7 @@ def _reasoning_parser(settings: InferenceSettings) -> str | None:
 async def run_dataset_async(
     spec: DatasetSpec,
     out_dir: str | Path,
-    endpoint: Endpoint | ServerPool,
+    servers: ServerPool,
     settings: InferenceSettings,
     *,
     opened: OpenedDataset | None = None,
@@ -170,14 +170,14 @@ async def run_dataset_async(
     with out.ensure_locked(run_info):
         if opened is None:
             opened = await loop.run_in_executor(None, open_dataset, spec, out, settings)
-        return await _generate(opened, out, endpoint, settings, run_info, started, on_shard_committed=on_shard_committed,
+        return await _generate(opened, out, servers, settings, run_info, started, on_shard_committed=on_shard_committed,
                                progress=progress, on_canary=on_canary)
 
 
 async def _generate(
     opened: OpenedDataset,
     out: OutputDir,
-    endpoint: Endpoint | ServerPool,
+    servers: ServerPool,
     settings: InferenceSettings,
     run_info: Mapping[str, Any],
     started: float,
@@ -188,20 +188,18 @@ async def _generate(
 ) -> DatasetResult:
     """Stream an opened dataset through the server(s) into committed shards (the lock is held)."""
     spec, loop, model_dir = opened.spec, asyncio.get_running_loop(), settings.model_dir
+    first = servers.first()
     cfg = settings.client
-    cfg = dataclasses.replace(cfg, api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key)
-    async with GenerateClient(endpoint.url, cfg) as probe:
+    cfg = dataclasses.replace(cfg, api_key=first.api_key if first.api_key is not None else cfg.api_key)
+    async with GenerateClient(first.url, cfg) as probe:
         info = await probe.server_info()  # engine version, and the defaults below
     conc = settings.concurrency or default_concurrency(info)
     cfg = dataclasses.replace(cfg, concurrency=conc)
-    # Several servers: the workers are every server's slots (those still launching included); with
-    # prefix-aware dispatch twice as many, so a freed slot can choose among waiting rows the one whose
-    # prefix its server holds (the servers still never take more than their slots).
-    workers = conc
-    if isinstance(endpoint, ServerPool):
-        workers = endpoint.capacity(settings.concurrency)
-        if _affinity(endpoint, settings):
-            workers *= 2
+    # The workers are every server's slots (those still launching included); with prefix-aware
+    # dispatch twice as many, so a freed slot can choose among waiting rows the one whose prefix its
+    # server holds (the servers still never take more than their slots).
+    affinity = servers.size() > 1 and settings.dispatch == "prefix"
+    workers = servers.capacity(conc) * (2 if affinity else 1)
     result = DatasetResult(spec.name, str(out.path), settings.shard_size, workers, recovered=dict(opened.recovered))
     result.shards_skipped = len(out.committed_indices(spec.name))
     model_name = settings.model_name
@@ -210,11 +208,11 @@ async def _generate(
                          or (Path(model_dir).name if model_dir else "unknown"))
     provenance = await loop.run_in_executor(
         None, _provenance, out, spec.name, model_dir, opened.template, info, run_info.get("flow_run"))
-    async with _client_for(endpoint, cfg, settings.concurrency, _affinity(endpoint, settings)) as client:
+    async with Dispatcher(servers, cfg, settings.concurrency, affinity=affinity) as client:
         driver = InferencePool(
             spec, out, client, shard_size=settings.shard_size, concurrency=workers,
             sampling=settings.sampling, reasoning_parser=opened.reasoning_parser, template=opened.template,
-            model_name=model_name, server_fingerprint=endpoint.fingerprint,
+            model_name=model_name, server_fingerprint=first.fingerprint,
             on_shard_committed=on_shard_committed, progress=progress, result=result,
             canary=(canary_size(settings.canary_rows, conc), on_canary) if on_canary is not None else None,
             truncation=settings.truncation,
@@ -254,20 +252,6 @@ def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, temp
     )
 
 
-def _affinity(endpoint: Endpoint | ServerPool, settings: InferenceSettings) -> bool:
-    """Whether rows are dispatched by prefix: several servers and ``dispatch = "prefix"``."""
-    return isinstance(endpoint, ServerPool) and endpoint.size() > 1 and settings.dispatch == "prefix"
-
-
-def _client_for(endpoint: Endpoint | ServerPool, cfg: ClientConfig, concurrency: int | None,
-                affinity: bool) -> contextlib.AbstractAsyncContextManager[GenerateClient]:
-    """The client of a run: one server's, or a dispatcher over a pool's servers."""
-    if isinstance(endpoint, ServerPool):
-        return cast(contextlib.AbstractAsyncContextManager[GenerateClient],
-                    Dispatcher(endpoint, cfg, concurrency, affinity=affinity))
-    return GenerateClient(endpoint.url, cfg, server_alive=endpoint.alive)
-
-
 def canary_size(canary_rows: int, concurrency: int) -> int:
     """How many rows the canary judges: ``canary_rows``, at most half the concurrency (at least 1),
     so that a failing canary stops the run before the server has answered twice the concurrency,
@@ -290,7 +274,7 @@ def _lock_info(run_info: Mapping[str, Any] | None) -> dict[str, Any]:
     return info
 
 
-def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, dataset: str,
+def _finish(result: DatasetResult, client: Dispatcher, out: OutputDir, dataset: str,
             started: float) -> None:
     result.requests = client.stats.requests
     result.retries = client.stats.retries
@@ -309,7 +293,7 @@ def _finish(result: DatasetResult, client: GenerateClient, out: OutputDir, datas
 def run_dataset(
     spec: DatasetSpec,
     out_dir: str | Path,
-    endpoint: Endpoint | ServerPool,
+    servers: ServerPool,
     settings: InferenceSettings,
     *,
     opened: OpenedDataset | None = None,
@@ -317,16 +301,17 @@ def run_dataset(
     progress: Callable[[ShardProgress], Any] | None = None,
     on_canary: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> DatasetResult:
-    """Generate one dataset into ``out_dir`` against ``endpoint``, resuming whatever is done.
+    """Generate one dataset into ``out_dir`` through ``servers``, resuming whatever is done.
 
     Callable from a thread that runs an event loop (it then runs the loop in a helper thread).
 
     Args:
         spec: the dataset's name and input file.
         out_dir: the output directory (its lock is taken, or reused when the caller holds it).
-        endpoint: the server, its fingerprint (the rows' ``server`` column) and liveness check; or a
-            ``ServerPool`` of several, each request going to whichever has a free slot (a server
-            that is gone is dropped and its unfinished requests go to the others).
+        servers: the run's servers, each request going to whichever has a free slot (a server that
+            is gone is dropped and its unfinished requests go to the others); one server is
+            ``ServerPool.of(Endpoint(url, fingerprint))``. Their fingerprint is the rows'
+            ``server`` column.
         settings: shard size, concurrency, sampling, reasoning parser, model, client settings.
         opened: the dataset as :func:`open_dataset` bound and checked it under the caller's lock
             (its guards then do not run again); None: opened here.
@@ -337,8 +322,8 @@ def run_dataset(
             ``tasks.validation.check_canary``); not called when the run generates fewer.
 
     Raises:
-        ServerGone: retries exhausted or the server process died (``rows_done``/``result`` set);
-            with a ServerPool: no server is left and none is coming back.
+        ServerGone: no server is left and none is coming back (a server's retries exhausted or its
+            process dead); ``rows_done``/``result`` set.
         RequestRejected: a non-retryable 4xx (e.g. bad sampling params or API key).
         InputChanged: the input or the shard size differs from the one the output was bound to, or
             the sampling or parser from those of the rows it holds (``check_resume``).
@@ -350,7 +335,7 @@ def run_dataset(
         OSError: the input is unreadable.
         Exception: whatever ``on_shard_committed`` or ``on_canary`` raises.
     """
-    coro = run_dataset_async(spec, out_dir, endpoint, settings, opened=opened, on_shard_committed=on_shard_committed,
+    coro = run_dataset_async(spec, out_dir, servers, settings, opened=opened, on_shard_committed=on_shard_committed,
                              progress=progress, on_canary=on_canary)
     if not _loop_running():
         # Outside the except clause of the loop probe: an error of the run must not carry the

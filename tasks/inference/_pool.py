@@ -29,7 +29,8 @@ from typing import Any
 import pyarrow as pa
 
 from tasks.inference._budget import TruncationPolicy, capped_sampling
-from tasks.inference._client import GenerateClient, GenerateResult, PromptTooLong, cached_tokens
+from tasks.inference._client import GenerateResult, PromptTooLong, cached_tokens
+from tasks.inference._dispatch import Dispatcher
 from tasks.inference._order import Gate, SendQueue
 from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
@@ -87,7 +88,7 @@ class InferencePool:
         self,
         spec: DatasetSpec,
         out: OutputDir,
-        client: GenerateClient,
+        client: Dispatcher,
         *,
         shard_size: int,
         concurrency: int,

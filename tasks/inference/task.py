@@ -15,7 +15,6 @@ from prefect.cache_policies import NONE
 from tasks.artifacts import run_name
 from tasks.inference import (
     DatasetSpec,
-    Endpoint,
     OpenedDataset,
     ServerPool,
     ShardProgress,
@@ -58,10 +57,10 @@ def open_datasets(ctx: RunContext) -> dict[str, OpenedDataset]:
 
 
 @task(task_run_name=run_name("infer-{dataset}@{host}"), cache_policy=NONE)
-def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | ServerPool,
+def infer_dataset(ctx: RunContext, dataset: OpenedDataset, servers: ServerPool,
                   on_progress: Callable[[ShardProgress], None] | None = None) -> dict[str, Any]:
     """Generate one opened dataset into the run's output, resuming committed shards and journals,
-    against one server or the run's pool of servers (each request to whichever is free). Not
+    through the run's servers (each request to whichever has a free slot). Not
     retried: a lost server is its lifecycle's to relaunch, a failed request the client's to retry
     (docs/architecture.md, "Retries").
 
@@ -92,7 +91,7 @@ def infer_dataset(ctx: RunContext, dataset: OpenedDataset, endpoint: Endpoint | 
 
     t0 = time.monotonic()
     settings = dataclasses.replace(ctx.inference(), canary_rows=thresholds.canary_rows)
-    result = run_dataset(spec, out_dir, endpoint, settings, opened=dataset,
+    result = run_dataset(spec, out_dir, servers, settings, opened=dataset,
                          on_shard_committed=on_shard_committed, progress=on_progress, on_canary=on_canary)
     summary = result.to_dict()
     if result.recovered.get("rebuilt_shards"):

@@ -17,7 +17,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ShardProgress, run_dataset
+from tasks.inference import (
+    ClientConfig,
+    DatasetSpec,
+    Endpoint,
+    InferenceSettings,
+    ServerPool,
+    ShardProgress,
+    run_dataset,
+)
 from tasks.schema import conform
 from tasks.shards import OutputDir, ShardRecord
 from tests.support.emulator import DEMO_MODEL
@@ -140,14 +148,14 @@ def assert_exactly_once(out: Path, ids: list[str], dataset: str = "ds") -> None:
 
 DRIVER = """
 import json, sys
-from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, TruncationPolicy, run_dataset
+from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ServerPool, TruncationPolicy, run_dataset
 a = json.loads(sys.argv[1])
 settings = InferenceSettings(model_dir=a["model"], shard_size=a["shard"], concurrency=a["conc"],
                              sampling=a["sampling"], run_info={"flow_run": a.get("flow_run")},
                              client=ClientConfig(max_attempts=3, backoff_base_s=0.02),
                              truncation=TruncationPolicy(**a["truncation"]),
                              samples=a.get("samples", 1), regenerate=a.get("regenerate", "last"))
-r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], Endpoint(a["url"], "test-server"), settings)
+r = run_dataset(DatasetSpec("ds", a["input"]), a["out"], ServerPool.of(Endpoint(a["url"], "test-server")), settings)
 print(json.dumps(r.to_dict()), flush=True)
 """
 
@@ -172,7 +180,7 @@ def run(inp: Path, out: Path, url: str, shard: int = 16, *, server_alive: Callab
     settings.setdefault("client", FAST_CLIENT)
     settings.setdefault("sampling", {"max_new_tokens": 64})
     settings.setdefault("concurrency", 32)
-    return run_dataset(DatasetSpec("ds", inp), out, Endpoint(url, "test-server", alive=server_alive),
+    return run_dataset(DatasetSpec("ds", inp), out, ServerPool.of(Endpoint(url, "test-server", alive=server_alive)),
                        InferenceSettings(shard_size=shard, model_dir=DEMO_MODEL, **settings),
                        on_shard_committed=on_shard_committed, progress=progress, on_canary=on_canary)
 

@@ -11,7 +11,15 @@ import traceback
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.inference import ClientConfig, DatasetSpec, Endpoint, InferenceSettings, ServerGone, run_dataset
+from tasks.inference import (
+    ClientConfig,
+    DatasetSpec,
+    Endpoint,
+    InferenceSettings,
+    ServerGone,
+    ServerPool,
+    run_dataset,
+)
 from tasks.prompts import ChatTemplate
 from tasks.shards import InputChanged, OutputDir
 from tests.support.common import free_port
@@ -166,7 +174,7 @@ def test_prerendered_prompt_that_opens_think_is_split_as_forced(tmp_path, emulat
     out = tmp_path / "out"
     settings = InferenceSettings(shard_size=2, sampling={"max_new_tokens": 200}, model_dir=DEMO_MODEL,
                                  client=FAST_CLIENT, run_info={"flow_run": "adhoc"})
-    r = run_dataset(DatasetSpec("alpha", a), out, Endpoint(emulator.url, "test-server"), settings)
+    r = run_dataset(DatasetSpec("alpha", a), out, ServerPool.of(Endpoint(emulator.url, "test-server")), settings)
     assert (r.dataset, r.rows_generated, r.complete) == ("alpha", 2, True)
     rows = {r["id"]: r for rec in OutputDir(out).committed_shards("alpha") for r in pq.read_table(rec.path).to_pylist()}
     row = rows["open"]
@@ -184,12 +192,12 @@ def test_empty_input_completes_and_unknown_parser_refused_before_any_request(tmp
     inp = tmp_path / "empty.jsonl"
     inp.write_text("")
     dead = "http://127.0.0.1:9"  # nothing listens: any request would fail
-    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", Endpoint(dead, "f"),
+    r = run_dataset(DatasetSpec("ds", inp), tmp_path / "out", ServerPool.of(Endpoint(dead, "f")),
                     InferenceSettings(model_dir=DEMO_MODEL, shard_size=4, concurrency=2, model_name="m",
                                       client=FAST_CLIENT))
     assert (r.complete, r.shards_total, r.requests) == (True, 0, 0)
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
-        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", Endpoint(dead, "f"),
+        run_dataset(DatasetSpec("ds", inp), tmp_path / "out2", ServerPool.of(Endpoint(dead, "f")),
                     InferenceSettings(model_dir=DEMO_MODEL, shard_size=4, reasoning_parser="nope"))
     assert not (tmp_path / "out2").exists()
 
@@ -265,7 +273,7 @@ def test_gpt_oss_rows_split_from_harmony_markers_or_from_the_text_fallback(
     em = emulator_factory(EMU_ARGS + ["--model-path", str(gpt_oss_model)])
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     write_input(inp, 3)
-    r = run_dataset(DatasetSpec("ds", inp), out, Endpoint(em.url, "test-server"),
+    r = run_dataset(DatasetSpec("ds", inp), out, ServerPool.of(Endpoint(em.url, "test-server")),
                     InferenceSettings(shard_size=16, model_dir=gpt_oss_model, sampling=sampling, concurrency=4,
                                       client=FAST_CLIENT))
     assert r.complete and r.rows_generated == 3

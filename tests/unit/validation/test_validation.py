@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from datagen import cmd_validate
-from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, run_dataset
+from tasks.inference import DatasetSpec, Endpoint, InferenceSettings, ServerPool, run_dataset
 from tasks.schema import ROW_SCHEMA
 from tasks.validation import (
     BadOutput,
@@ -462,7 +462,7 @@ def test_real_writer_output_passes_and_the_no_parser_bug_stops_at_shard_0(tmp_pa
     src.write_text("".join((ROOT / "data/samples/glaive_like.jsonl").read_text().splitlines(True)[:24]))
     common = dict(model_dir=str(ROOT / "data/models/demo"), shard_size=12, concurrency=12,
                   sampling={"max_new_tokens": 256}, model_name="demo")
-    endpoint = Endpoint(em.url, "fp")
+    endpoint = ServerPool.of(Endpoint(em.url, "fp"))
     good = tmp_path / "good"
     run_dataset(DatasetSpec("glaive", src), good, endpoint, InferenceSettings(reasoning_parser="auto", **common),
                 on_shard_committed=lambda rec: gate_shard(good, "glaive", rec.index))
