@@ -59,9 +59,12 @@ specforge-env:
 demo: $(STAMP)
 	$(VENV)/bin/datagen demo
 
+# The run settings and the flow's parameters are held to --strict (issue 43): every field is typed.
+STRICT := tasks/config flows/datagen.py flows/params.py
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy datagen emulator tasks flows
+	$(PY) -m mypy --strict --follow-imports=silent $(STRICT)
 
 unit: $(STAMP) bytecode
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit -m "not slow" -q

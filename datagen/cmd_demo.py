@@ -22,7 +22,7 @@ from pathlib import Path
 
 from datagen._cli import EXIT_OK, exit_code_for, exit_codes, parse_args, reports_errors
 from datagen.cmd_run import failure_label, run_flow, ui_url, verdict_line
-from tasks.config import ConfigError, Overrides, load_partition
+from tasks.config import ConfigError, load_partition
 from tasks.shards import OutputDir, OutputLocked
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(out)
     t0 = time.monotonic()
     print(f"datagen demo: {len(cfg.datasets)} datasets -> {out} (emulator, simulated GPUs)", flush=True)
-    code, result = run_flow("demo", Overrides(out=str(out), backend="emulator"))
+    code, result = run_flow("demo", {"out": str(out), "backend": "emulator"})
     elapsed = time.monotonic() - t0
     if code != EXIT_OK:
         print(f"datagen demo: {failure_label(result, 'failed')}: {result}", file=sys.stderr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,8 +45,8 @@ from flows.gpulimit import ensure_limits, limit_name
 from tasks import http
 from tasks.config import (
     ConfigError,
-    Overrides,
     PartitionConfig,
+    RunSettings,
     add_cli_options,
     load_partition,
     project_root,
@@ -105,9 +106,9 @@ def build_parser(prog: str = "datagen run") -> argparse.ArgumentParser:
     return p
 
 
-def overrides_of(args: argparse.Namespace) -> Overrides:
+def overrides_of(args: argparse.Namespace) -> RunSettings:
     """The overrides among the parsed options (their dests are the override names)."""
-    return Overrides.from_mapping(vars(args))
+    return RunSettings.from_mapping(vars(args))
 
 
 def partition_of(args: argparse.Namespace) -> str:
@@ -115,9 +116,11 @@ def partition_of(args: argparse.Namespace) -> str:
     return args.partition or ("adhoc" if args.inputs else "all")
 
 
-def run_flow(partition: str, overrides: Overrides) -> tuple[int, Any]:
-    """Validate the config, run the flow; returns (exit code, flow result or error)."""
+def run_flow(partition: str, values: Mapping[str, Any]) -> tuple[int, Any]:
+    """Validate the settings among ``values`` and the config, run the flow; returns (exit code, flow
+    result or error)."""
     try:
+        overrides = RunSettings.from_mapping(values)
         cfg = load_partition(partition).with_overrides(overrides)
     except ConfigError as exc:
         return exit_code_for(exc), exc
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
                   "model on the emulator)", file=sys.stderr)
             return EXIT_USAGE
         # on the emulator the ad-hoc partition's own [model] path, the bundled demo model, is served
-    code, result = run_flow(partition_of(args), overrides_of(args))
+    code, result = run_flow(partition_of(args), vars(args))
     if code == EXIT_OK:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
         for line in server_lines(result.get("servers") or []):

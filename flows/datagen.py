@@ -4,8 +4,9 @@
 The body reads as the pipeline: each line calls a stage task (tasks/<stage>/task.py), enters the run's
 servers (flows/fleet.py: one lifecycle per server, launched at once, each request going to
 whichever is free) or a guard (flows/pipeline.py: the output's lock and checks, the ``gpu:<host>``
-slots, the published summary). The parameters are the run settings (tasks.config.RUN_SETTINGS),
-typed and described for Prefect's custom-run form by flows/params.py. Recovery, the run records and
+slots, the published summary). The parameters are the fields of the run settings model
+(tasks.config.RunSettings), each with the field's own type; flows/params.py checks that at import and
+writes their descriptions for Prefect's custom-run form. Recovery, the run records and
 the hygiene scope: docs/architecture.md.
 """
 
@@ -24,7 +25,17 @@ from flows.hooks import cleanup_hook
 from flows.names import run_name
 from flows.params import declared
 from flows.pipeline import Outcome, gate_reported, gpu_hosts, opened_output, progress_of, published
-from tasks.config import Overrides
+from tasks.config import (
+    Backend,
+    Fraction,
+    NonNegative,
+    ParserName,
+    Positive,
+    RegenerateMode,
+    RunSettings,
+    Samples,
+    ShardSize,
+)
 from tasks.config.task import load_config
 from tasks.inference.task import infer_dataset, open_datasets
 from tasks.run import RunContext
@@ -60,7 +71,22 @@ def flow_run_name() -> str:
     validate_parameters=True,
 )
 @declared
-def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
+def datagen(
+    partition: str = "all",
+    inputs: tuple[str, ...] | None = None,
+    model_path: str | None = None,
+    out: str | None = None,
+    backend: Backend | None = None,
+    server_url: str | tuple[str, ...] | None = None,
+    shard_size: ShardSize | None = None,
+    concurrency: Positive | None = None,
+    tp_size: Positive | None = None,
+    mem_fraction_static: Fraction | None = None,
+    reasoning_parser: ParserName | None = None,
+    truncation_retries: NonNegative | None = None,
+    samples: Samples | None = None,
+    regenerate: RegenerateMode | None = None,
+) -> dict[str, Any]:
     """Generate a partition's datasets. An empty parameter keeps the partition's value.
 
     Raises:
@@ -68,9 +94,14 @@ def datagen(partition: str = "all", **settings: Any) -> dict[str, Any]:
         ServerGone: no server is left: each died, hung or became unreachable past its
             ``max_relaunches`` budget (the message says why each went).
     """
-    overrides, run_id = Overrides.from_mapping(settings), _flow_run_id()
-    cfg = load_config(partition, overrides)
-    ctx = RunContext.build(cfg, prepare_run(cfg), run_id, explicit_fraction=overrides.mem_fraction_static)
+    settings = RunSettings(
+        inputs=inputs, model_path=model_path, out=out, backend=backend, server_url=server_url,
+        shard_size=shard_size, concurrency=concurrency, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
+        reasoning_parser=reasoning_parser, truncation_retries=truncation_retries, samples=samples,
+        regenerate=regenerate,
+    )
+    cfg = load_config(partition, settings)
+    ctx = RunContext.build(cfg, prepare_run(cfg), _flow_run_id())
     progress = progress_of(ctx)
     outcome = Outcome(ctx, progress, fleet := Fleet(ctx, total_rows=sum(progress.datasets.values())))
     with opened_output(ctx, progress), published(outcome):

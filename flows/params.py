@@ -1,19 +1,24 @@
-"""The datagen flow's parameters, generated from the run settings (tasks.config.RUN_SETTINGS).
+"""The datagen flow's parameters: the fields of the run settings model (tasks.config.RunSettings).
 
 Prefect builds a deployment's parameter schema (and its custom-run form) from the flow's signature
-and the ``Args:`` section of its docstring; :func:`declared` writes both from the declarations, so
-a new parameter is one ``RunSetting``. :func:`form_schema` then tidies the optional parameters for
-the form.
+and the ``Args:`` section of its docstring. The flow declares one parameter per field with the
+field's type, which mypy checks; :func:`declared` refuses, at import, a signature that differs from
+the model's, and writes the ``Args:`` section from the fields' descriptions. :func:`form_schema` then
+tidies the optional parameters for the form.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Sequence
+import itertools
+import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tasks.config import PARTITION, RUN_SETTINGS, RunSetting, flow_parameters
+from pydantic import BaseModel
+
+from tasks.config import PARTITION, RUN_SETTINGS, RunSettings, flow_parameters, settings_of
 
 __all__ = ["PARAMETER_HELP", "declared", "form_schema"]
 
@@ -23,19 +28,22 @@ PARAMETER_HELP: dict[str, str] = {s.name: s.description for s in (PARTITION, *RU
 F = TypeVar("F", bound=Callable[..., object])
 
 
-def declared(fn: F, settings: Sequence[RunSetting] = RUN_SETTINGS) -> F:
-    """Give ``fn(partition="all", **settings)`` one typed keyword parameter per run setting and an
-    ``Args:`` docstring section describing each. Apply it under ``@flow``.
+def declared(fn: F, model: type[BaseModel] = RunSettings) -> F:
+    """Check that ``fn(partition="all", <one parameter per run setting>)`` has the model's parameters
+    (names, order, types, None defaults) and write its ``Args:`` docstring section from the
+    settings' descriptions. Apply it under ``@flow``.
 
-    Prefect reads the signature (``inspect.signature`` follows ``__signature__``) for the parameter
-    schema and for validating a run's parameters; the body receives the settings as keywords.
+    Raises:
+        TypeError: the signature differs from the model's (the message names the first difference).
     """
-    params = [inspect.Parameter("partition", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="all",
-                                annotation=str), *flow_parameters(settings)]
-    returns = inspect.signature(fn).return_annotation
-    fn.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
-    fn.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
-    lines = ["", "Args:"] + [f"    {s.name}: {s.description}" for s in (PARTITION, *settings)]
+    expected = [inspect.Parameter("partition", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="all",
+                                  annotation=str), *flow_parameters(model)]
+    hints = typing.get_type_hints(fn, include_extras=True)
+    actual = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in inspect.signature(fn).parameters.values()]
+    for want, got in itertools.zip_longest(expected, actual):
+        if want != got:
+            raise TypeError(f"{getattr(fn, '__name__', fn)}: parameter {got} where the run settings model has {want}")
+    lines = ["", "Args:"] + [f"    {s.name}: {s.description}" for s in (PARTITION, *settings_of(model))]
     doc = inspect.cleandoc(fn.__doc__ or fn.__name__).rstrip()  # a summary line: the Args section parses after one
     fn.__doc__ = doc + "\n" + "\n".join(lines) + "\n"
     return fn

@@ -47,15 +47,12 @@ class RunContext:
         parser: the reasoning parser (None: no split).
         fingerprint: the rows' ``server`` column of a launched server (``PartitionConfig.server_fingerprint``;
             a shared server's is asked of the server by the server session).
-        explicit_fraction: ``mem_fraction_static`` given for this run (a flow parameter or
-            ``--mem-fraction-static``): the first launch uses it whatever the tuner remembers.
     """
 
-    __slots__ = ("cfg", "explicit_fraction", "fingerprint", "gpus", "host", "parser", "plan", "run_id", "target")
+    __slots__ = ("cfg", "fingerprint", "gpus", "host", "parser", "plan", "run_id", "target")
 
     def __init__(self, *, cfg: PartitionConfig, plan: RunPlan, run_id: str | None, target: str, host: str,
-                 gpus: tuple[int, ...], parser: str | None, fingerprint: str,
-                 explicit_fraction: float | None = None) -> None:
+                 gpus: tuple[int, ...], parser: str | None, fingerprint: str) -> None:
         self.cfg = cfg
         self.plan = plan
         self.run_id = run_id
@@ -64,7 +61,6 @@ class RunContext:
         self.gpus = gpus
         self.parser = parser
         self.fingerprint = fingerprint
-        self.explicit_fraction = explicit_fraction
 
     def _fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -82,13 +78,11 @@ class RunContext:
         return f"RunContext(partition={self.cfg.name!r}, run_id={self.run_id!r}, target={self.target!r}, gpus={self.gpus})"
 
     @classmethod
-    def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None,
-              explicit_fraction: float | None = None) -> RunContext:
+    def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None) -> RunContext:
         """The context of a run of ``cfg`` into ``plan``."""
         target = cfg.targets[0]
         return cls(cfg=cfg, plan=plan, run_id=run_id, target=target, host=host_of(target),
-                   gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint(),
-                   explicit_fraction=explicit_fraction)
+                   gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint())
 
     def for_server(self, cfg: PartitionConfig) -> RunContext:
         """The context of one server of the run: ``cfg`` is ``self.cfg.for_server(slot)`` (a
@@ -96,6 +90,12 @@ class RunContext:
         target = cfg.targets[0]
         return self.replace(cfg=cfg, target=target, host=host_of(target), gpus=tuple(cfg.server_gpus()),
                             fingerprint=cfg.server_fingerprint())
+
+    @property
+    def explicit_fraction(self) -> float | None:
+        """``mem_fraction_static`` given for this run (a flow parameter or ``--mem-fraction-static``):
+        the first launch uses it whatever the tuner remembers."""
+        return self.cfg.explicit_fraction
 
     @property
     def launches(self) -> bool:

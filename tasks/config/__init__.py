@@ -2,8 +2,8 @@
 
 ``load_partition("all")`` reads ``deployments/all.toml`` (a path to any ``.toml`` works too) into a
 frozen ``PartitionConfig``; every error is a ``ConfigError`` naming the file and the key. The keys
-are listed in docs/configuration.md. Parts: ``_settings`` (the run settings, each declared once,
-and ``Overrides``), ``_model`` (value objects),
+are listed in docs/configuration.md. Parts: ``_settings`` (``RunSettings``, the typed model of the
+run settings), ``_model`` (value objects),
 ``_load`` (finding and parsing files), ``_checks`` (value checks), ``_servers`` (the servers of a
 partition: ``[server] targets`` entries, ``PartitionConfig.servers()``).
 """
@@ -24,19 +24,36 @@ from tasks.config._settings import (
     BACKENDS,
     PARTITION,
     RUN_SETTINGS,
-    Overrides,
+    Backend,
+    Fraction,
+    NonNegative,
+    ParserName,
+    Positive,
+    RegenerateMode,
     RunSetting,
+    RunSettings,
+    Samples,
+    ShardSize,
     add_cli_options,
     flow_parameters,
     reference_table,
+    settings_of,
 )
 
 __all__ = [
     "BACKENDS",
+    "Backend",
+    "Fraction",
+    "NonNegative",
+    "ParserName",
+    "Positive",
+    "RegenerateMode",
+    "Samples",
+    "ShardSize",
     "ConfigError",
     "PARTITION",
     "RUN_SETTINGS",
-    "Overrides",
+    "RunSettings",
     "PartitionConfig",
     "RunSetting",
     "ServerSettings",
@@ -48,6 +65,7 @@ __all__ = [
     "load_partition",
     "project_root",
     "reference_table",
+    "settings_of",
     "state_dir",
     "OWNED_API_ENV",
 ]

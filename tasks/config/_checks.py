@@ -97,10 +97,10 @@ MAX_SHARD_SIZE = 1_000_000  # rows per shard: one shard's rows are held until it
 def int_from(lo: int, hi: int) -> Callable[[Any, str, str], int]:
     """A check for an int from ``lo`` (1 or 0) to ``hi`` (bools refused)."""
     def check(value: Any, f: str, key: str) -> int:
-        value = positive_int(value, f, key) if lo >= 1 else nonneg_int(value, f, key)
-        if value > hi:
-            raise ConfigError(f"{f}: {key}: {value!r} is over the limit of {hi:,}")
-        return value
+        n = positive_int(value, f, key) if lo >= 1 else nonneg_int(value, f, key)
+        if n > hi:
+            raise ConfigError(f"{f}: {key}: {n!r} is over the limit of {hi:,}")
+        return n
 
     return check
 

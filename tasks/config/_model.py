@@ -1,7 +1,7 @@
 """Partition settings as frozen value objects, and the overrides a run may apply to them.
 
 ``PartitionConfig`` is what ``load_partition`` (tasks.config._load) returns; ``with_overrides``
-applies ``Overrides`` (``datagen run`` options, the flow's parameters) with the file's checks, and
+applies ``RunSettings`` (``datagen run`` options, the flow's parameters) with the file's checks, and
 ``server_config`` turns ``[server]`` into the ``ServerConfig`` that launches the server.
 """
 
@@ -24,7 +24,7 @@ from tasks.config._checks import (
     writable_dir,
 )
 from tasks.config._servers import ServerSlot, TargetServers, slots_of
-from tasks.config._settings import BACKENDS, Overrides, check_text
+from tasks.config._settings import BACKENDS, RunSettings, check_text
 from tasks.inference import TruncationPolicy
 from tasks.server import ServerConfig, ServerConfigError
 from tasks.shards import check_dataset_name
@@ -35,7 +35,7 @@ __all__ = [
     "BACKENDS",
     "NOT_SERVER_KEYS",
     "SERVER_KEYS",
-    "Overrides",
+    "RunSettings",
     "PartitionConfig",
     "ServerSettings",
     "SimGpuSettings",
@@ -142,6 +142,9 @@ class PartitionConfig:
     # how long a server outlives its dead run (a control host's crash), waiting for the next run to adopt it
     server_grace_s: float = SERVER_GRACE_S
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
+    # mem_fraction_static given for this run (an override): the first launch uses it whatever the
+    # tuner remembers; the file's [server] value is only where the tuner starts
+    explicit_fraction: float | None = None
 
     samples: int = 1  # rows per prompt
     regenerate: str = "last"  # tasks.inference.REGENERATE_MODES
@@ -177,7 +180,7 @@ class PartitionConfig:
         """This config using the one running server at ``url``."""
         return dataclasses.replace(self, server_urls=(url,))
 
-    def with_overrides(self, overrides: Overrides) -> PartitionConfig:
+    def with_overrides(self, overrides: RunSettings) -> PartitionConfig:
         """A copy with ``overrides`` applied and validated with the file's checks.
 
         Args:
@@ -204,6 +207,8 @@ class PartitionConfig:
                 changes["server_urls"] = check_urls((value,) if isinstance(value, str) else value, where, name)
             elif name in _LAUNCH_OVERRIDES:
                 launch[name] = setting.check(value, where, name)
+                if name == "mem_fraction_static":
+                    changes["explicit_fraction"] = launch[name]
             elif name == "truncation_retries":
                 changes["truncation"] = dataclasses.replace(self.truncation, retries=setting.check(value, where, name))
             else:  # a [run] or [model] value of the same name

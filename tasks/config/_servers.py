@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.config._checks import ConfigError, check_target, no_unknown
+from tasks.server import DEFAULT_PORT
 from tasks.targets import parse_target
 
 __all__ = ["FINGERPRINT_KEYS", "FLAG_EXCLUDED", "ServerSlot", "TargetServers", "parse_targets", "slots_of"]
@@ -29,7 +30,7 @@ FLAG_EXCLUDED = frozenset({"backend", "gpus", "targets", "port", "api_key_secret
 # a shard mixes rows of every server (and validation refuses mixed fingerprints).
 FINGERPRINT_KEYS = frozenset({"tp_size", "served_model_name", "context_length", "extra_args"})
 _ENTRY_KEYS = {"target", "gpus", "port", "flags"}
-REMOTE_PORT = 30000  # a remote server's port when the partition names none (its host's loopback)
+REMOTE_PORT = DEFAULT_PORT  # a remote server's port when the partition names none (its host's loopback)
 
 
 @dataclass(frozen=True)

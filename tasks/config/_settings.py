@@ -1,17 +1,20 @@
-"""The run settings: each declared once, with its type, bounds, choices and help text.
+"""The run settings: one typed model, :class:`RunSettings`, each field declared once with its type,
+bounds, choices and help text.
 
 A run setting is what a single run may override without editing its partition file: a ``datagen
 run`` option, a parameter of the ``datagen`` flow (a field of Prefect's custom-run form) and a row
-of docs/configuration.md. All three are generated from :data:`RUN_SETTINGS`:
+of docs/configuration.md. All three come from the model:
 
-- ``datagen run``'s options: :func:`add_cli_options`;
-- the flow's signature, type hints and ``Args:`` docstring (which Prefect turns into the
-  deployment's parameter schema and the form): :func:`flow_parameters`, applied by
-  ``flows.params.declared``;
+- ``datagen run``'s options: :func:`add_cli_options`, from the model's JSON schema (types, bounds,
+  choices, lists) and each field's :class:`Setting` (partition key, option, metavar);
+- the flow's signature: flows/datagen.py declares one parameter per field with the field's own
+  type (mypy checks the flow against the model), and ``flows.params.declared`` writes its
+  ``Args:`` docstring from the descriptions; Prefect builds the parameter schema and the form from
+  both. tests/unit/config/test_settings.py proves the three agree with the model;
 - the reference table: :func:`reference_table`.
 
-Adding a setting is one :class:`RunSetting` here and its application in
-``PartitionConfig.with_overrides`` (which checks it with ``check`` and says where it goes).
+Adding a setting is one field here, its parameter in the flow, and, where it is not a ``[run]`` or
+``[model]`` value of the same name, its application in ``PartitionConfig.with_overrides``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.config._checks import (
     MAX_SAMPLES,
@@ -35,22 +38,29 @@ from tasks.config._checks import (
     positive_int,
     regenerate_mode,
 )
-from tasks.prompts import REGENERATE_MODES
-from tasks.reasoning import PARSERS
+from tasks.server import BACKENDS, Backend
 
 __all__ = [
     "BACKENDS",
     "PARTITION",
     "RUN_SETTINGS",
-    "Overrides",
+    "Backend",
+    "Fraction",
+    "NonNegative",
+    "ParserName",
+    "Positive",
+    "RegenerateMode",
     "RunSetting",
+    "RunSettings",
+    "Samples",
+    "Setting",
+    "ShardSize",
     "add_cli_options",
     "check_text",
     "flow_parameters",
     "reference_table",
+    "settings_of",
 ]
-
-BACKENDS = ("sglang", "emulator")
 
 
 def check_text(value: Any, where: str, key: str) -> str:
@@ -68,24 +78,145 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any, str, str], str]:
     return check
 
 
+def _texts(value: Any, where: str, key: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ConfigError(f"{where}: {key}: {value!r} is not a non-empty string or a list of them")
+    return items
+
+
 @dataclass(frozen=True)
-class RunSetting:
-    """One run setting.
+class Setting:
+    """Where a run setting lands and how it reads on the command line, in its field's metadata
+    (pydantic keeps it there and validates nothing with it).
 
     Args:
-        name: the flow parameter, the ``Overrides`` attribute and (dashed) the CLI option.
-        type: the value's type (``str``, ``int`` or ``float``).
-        help: what it does, for the form, ``--help`` and the reference.
         key: the partition key it overrides (``[run] shard_size``), or "" for none.
-        check: the config's validator, ``check(value, where, key) -> value``.
-        ge, gt, lt: bounds (the form's and the flow's validation; ``check`` enforces them too).
-        choices: the allowed values (a select in the form, ``choices`` in argparse).
-        many: a list of values (repeatable on the command line).
-        one_or_many: the flow takes one value or a list (``server_url``).
+        check: the config's validator, ``check(value, where, key) -> value``: its ConfigError names
+            the setting the way a partition file's error names its key.
         flag: the CLI option when it is not ``--name-with-dashes``.
         metavar: the CLI metavar.
-        cli_help: a CLI-only remark appended to ``help`` (e.g. a default that differs).
+        cli_help: a CLI-only remark appended to the help (e.g. a default that differs).
     """
+
+    key: str
+    check: Callable[[Any, str, str], Any] = check_text
+    flag: str | None = None
+    metavar: str | None = None
+    cli_help: str = ""
+
+
+# The value types of the settings, each with its bounds or choices (the form's, Prefect's validation
+# of the flow's parameters, the CLI's choices). BACKENDS and the parser names are checked against
+# their owners by the tests; the backends are the server's (tasks.server).
+ParserName = Literal["deepseek-r1", "glm45", "gpt-oss", "interns1", "kimi", "kimi_k2", "minimax", "mistral",
+                     "nemotron_3", "qwen3", "qwen3-thinking", "step3"]
+RegenerateMode = Literal["last", "all"]
+ShardSize = Annotated[int, Field(ge=1, le=MAX_SHARD_SIZE)]
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Samples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
+
+
+class RunSettings(BaseModel):
+    """The run settings a run sets (``datagen run`` options, the flow's parameters); an unset one is
+    None and keeps the partition's value. A value outside its type raises ``ConfigError`` naming
+    the setting ("override: shard_size: ..."); unknown names raise ``TypeError``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inputs: Annotated[tuple[str, ...] | None, Setting("", _texts, flag="--input", metavar="PATH"), Field(
+        description="Ad-hoc dataset files (JSONL or Parquet) replacing the partition's [datasets]; each is "
+                    "named after its file.")] = None
+    model_path: Annotated[str | None, Setting("[model] path", metavar="DIR"), Field(
+        description="Model directory on the server's host (an --input run on the emulator: the bundled demo "
+                    "model when not given).")] = None
+    out: Annotated[str | None, Setting("[output] root", metavar="DIR"), Field(
+        description="Output directory, used as is: no nightly versioning.")] = None
+    backend: Annotated[Backend | None, Setting("[server] backend", _choice(BACKENDS)), Field(
+        description="Server backend: sglang, or the emulator (no GPU).")] = None
+    server_url: Annotated[str | tuple[str, ...] | None, Setting("[run] server_url", _texts, metavar="URL",
+                                                                 cli_help="repeatable"), Field(
+        description="Running servers to use (http://host:port; one or a list): no launch, no GPU hygiene; "
+                    "work goes to whichever is free.")] = None
+    shard_size: Annotated[ShardSize | None, Setting("[run] shard_size", int_from(1, MAX_SHARD_SIZE), metavar="N"),
+                          Field(description="Rows per committed shard.")] = None
+    concurrency: Annotated[Positive | None, Setting("[run] concurrency", positive_int, metavar="N"), Field(
+        description="Requests in flight to each server; default: twice the running slots the server reports "
+                    "(16..1024).")] = None
+    tp_size: Annotated[Positive | None, Setting("[server] tp_size", positive_int, metavar="N"), Field(
+        description="GPUs the launched server uses, tensor parallel.")] = None
+    mem_fraction_static: Annotated[Fraction | None, Setting(
+        "[server] mem_fraction_static is only where the tuner starts", fraction, metavar="F"), Field(
+        description="SGLang --mem-fraction-static for the first launch of this run: wins over the fraction "
+                    "the tuner remembers (a relaunch after a runtime OOM still goes lower).")] = None
+    reasoning_parser: Annotated[ParserName | None, Setting("[model] reasoning_parser", parser_name, metavar="NAME"),
+                                Field(description="SGLang reasoning parser splitting reasoning from content; "
+                                                  "default: the model's.")] = None
+    truncation_retries: Annotated[NonNegative | None, Setting("[run.truncation] retries", nonneg_int, metavar="N"),
+                                  Field(description="Times a row that finished by length is generated again "
+                                                    "with a larger budget; 0: off.")] = None
+    samples: Annotated[Samples | None, Setting("[run] samples", int_from(1, MAX_SAMPLES), metavar="N"), Field(
+        description="Rows per prompt, each with its own sampling seed.")] = None
+    regenerate: Annotated[RegenerateMode | None, Setting("[run] regenerate", regenerate_mode), Field(
+        description="last: regenerate the last assistant turn; all: every assistant turn, each from the "
+                    "model's own earlier turns.")] = None
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(f"not run settings: {', '.join(unknown)} (known: {', '.join(self.names())})")
+        clean: dict[str, Any] = {}
+        for name, value in values.items():
+            if isinstance(value, list | tuple):
+                value = tuple(value)
+            if value is None or value == ():
+                continue
+            clean[name] = value
+        try:
+            super().__init__(**clean)
+        except ValidationError as exc:
+            raise _config_error(exc, clean) from None
+
+    def items(self) -> list[tuple[RunSetting, Any]]:
+        """The set settings with their values, in declaration order."""
+        return [(s, getattr(self, s.name)) for s in RUN_SETTINGS if getattr(self, s.name) is not None]
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The run settings' names, in declaration order."""
+        return tuple(cls.model_fields)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunSettings:
+        """The run settings among ``values`` (argparse's namespace, the flow's parameters); other
+        keys and None values are ignored."""
+        return cls(**{k: values[k] for k in cls.model_fields if values.get(k) is not None})
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The set settings as keyword arguments of the flow (lists where the flow takes several)."""
+        return {s.name: list(v) if isinstance(v, tuple) else v for s, v in self.items()}
+
+
+def _config_error(exc: ValidationError, values: Mapping[str, Any]) -> ConfigError:
+    """The ConfigError of the first invalid setting: its own check's message when the check refuses
+    the value too, else pydantic's."""
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "?"
+    setting = _BY_NAME.get(name)
+    if setting is not None and name in values:
+        try:
+            setting.check(values[name], "override", name)
+        except ConfigError as mine:
+            return mine
+    return ConfigError(f"override: {name}: {values.get(name)!r}: {first['msg']}")
+
+
+@dataclass(frozen=True)
+class RunSetting:
+    """One run setting as the command line and the reference see it (derived from
+    :class:`RunSettings`; ``PARTITION`` is declared so)."""
 
     name: str
     type: type
@@ -113,22 +244,28 @@ class RunSetting:
         """The help text with the partition key it overrides."""
         return f"{self.help} ({self.key})" if self.key else self.help
 
-    def value_type(self) -> Any:
-        """One value's type, with its choices or bounds (pydantic reads them for the form)."""
-        if self.choices:
-            return Literal[self.choices]  # type: ignore[valid-type]
-        if self.ge is None and self.gt is None and self.lt is None and self.le is None:
-            return self.type
-        return Annotated[self.type, Field(ge=self.ge, gt=self.gt, lt=self.lt, le=self.le)]
 
-    def annotation(self) -> Any:
-        """The flow parameter's type: None (keep the partition's value) or a value."""
-        one = self.value_type()
-        if self.many:
-            return list[one] | None  # type: ignore[valid-type]
-        if self.one_or_many:
-            return one | list[one] | None  # type: ignore[valid-type]
-        return one | None
+_JSON_TYPES: Mapping[str, type] = {"string": str, "integer": int, "number": float}
+
+
+def settings_of(model: type[BaseModel]) -> tuple[RunSetting, ...]:
+    """Each field of ``model`` as a RunSetting: type, bounds, choices and lists from the model's JSON
+    schema (what Prefect's form shows), key and option from the field's Setting."""
+    props = model.model_json_schema()["properties"]
+    out = []
+    for name, info in model.model_fields.items():
+        (setting,) = [m for m in info.metadata if isinstance(m, Setting)]
+        branches = [b for b in props[name].get("anyOf", [props[name]]) if b.get("type") != "null"]
+        arrays = [b for b in branches if b.get("type") == "array"]
+        one = next((b for b in branches if b.get("type") != "array"), None) or arrays[0]["items"]
+        out.append(RunSetting(
+            name, _JSON_TYPES[one["type"]], info.description or "", setting.key, setting.check,
+            ge=one.get("minimum"), gt=one.get("exclusiveMinimum"), lt=one.get("exclusiveMaximum"),
+            le=one.get("maximum"), choices=tuple(one.get("enum", ())), many=bool(arrays) and len(branches) == 1,
+            one_or_many=bool(arrays) and len(branches) > 1, flag=setting.flag, metavar=setting.metavar,
+            cli_help=setting.cli_help,
+        ))
+    return tuple(out)
 
 
 # The partition itself: a flow parameter and a CLI option, not an override of a partition key.
@@ -136,99 +273,8 @@ PARTITION = RunSetting(
     "partition", str, "Partition to run: a name in deployments/ (all, demo, ...) or a path to a TOML file.", "",
     metavar="NAME|FILE.toml", cli_help="default: adhoc with --input, else all",
 )
-
-RUN_SETTINGS: tuple[RunSetting, ...] = (
-    RunSetting("inputs", str, "Ad-hoc dataset files (JSONL or Parquet) replacing the partition's [datasets]; "
-               "each is named after its file.", "", many=True, flag="--input", metavar="PATH"),
-    RunSetting("model_path", str, "Model directory on the server's host (an --input run on the emulator: the "
-               "bundled demo model when not given).", "[model] path", metavar="DIR"),
-    RunSetting("out", str, "Output directory, used as is: no nightly versioning.", "[output] root", metavar="DIR"),
-    RunSetting("backend", str, "Server backend: sglang, or the emulator (no GPU).", "[server] backend",
-               check=_choice(BACKENDS), choices=BACKENDS),
-    RunSetting("server_url", str, "Running servers to use (http://host:port; one or a list): no launch, no "
-               "GPU hygiene; work goes to whichever is free.", "[run] server_url", one_or_many=True,
-               metavar="URL", cli_help="repeatable"),
-    RunSetting("shard_size", int, "Rows per committed shard.", "[run] shard_size", check=int_from(1, MAX_SHARD_SIZE),
-               ge=1, le=MAX_SHARD_SIZE, metavar="N"),
-    RunSetting("concurrency", int, "Requests in flight to each server; default: twice the running slots the "
-               "server reports (16..1024).", "[run] concurrency", check=positive_int, ge=1, metavar="N"),
-    RunSetting("tp_size", int, "GPUs the launched server uses, tensor parallel.", "[server] tp_size",
-               check=positive_int, ge=1, metavar="N"),
-    RunSetting("mem_fraction_static", float, "SGLang --mem-fraction-static for the first launch of this run: "
-               "wins over the fraction the tuner remembers (a relaunch after a runtime OOM still goes lower).",
-               "[server] mem_fraction_static is only where the tuner starts", check=fraction, gt=0.0, lt=1.0,
-               metavar="F"),
-    RunSetting("reasoning_parser", str, "SGLang reasoning parser splitting reasoning from content; default: "
-               "the model's.", "[model] reasoning_parser", check=parser_name, choices=tuple(sorted(PARSERS)),
-               metavar="NAME"),
-    RunSetting("truncation_retries", int, "Times a row that finished by length is generated again with a "
-               "larger budget; 0: off.", "[run.truncation] retries", check=nonneg_int, ge=0, metavar="N"),
-    RunSetting("samples", int, "Rows per prompt, each with its own sampling seed.", "[run] samples",
-               check=int_from(1, MAX_SAMPLES), ge=1, le=MAX_SAMPLES, metavar="N"),
-    RunSetting("regenerate", str, "last: regenerate the last assistant turn; all: every assistant turn, each "
-               "from the model's own earlier turns.", "[run] regenerate", check=regenerate_mode,
-               choices=REGENERATE_MODES),
-)
-
+RUN_SETTINGS: tuple[RunSetting, ...] = settings_of(RunSettings)
 _BY_NAME: Mapping[str, RunSetting] = {s.name: s for s in RUN_SETTINGS}
-
-
-class Overrides:
-    """The run settings a run sets (``datagen run`` options, the flow's parameters): each one of
-    :data:`RUN_SETTINGS` by name; an unset one reads None and keeps the partition's value."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self, **values: Any) -> None:
-        unknown = sorted(set(values) - set(_BY_NAME))
-        if unknown:
-            raise TypeError(f"not run settings: {', '.join(unknown)} (known: {', '.join(self.names())})")
-        clean: dict[str, Any] = {}
-        for name, value in values.items():
-            if value is None:
-                continue
-            if isinstance(value, list | tuple):
-                value = tuple(str(v) for v in value)
-                if not value:
-                    continue
-            clean[name] = value
-        object.__setattr__(self, "_values", clean)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _BY_NAME:
-            return self._values.get(name)
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("Overrides is immutable")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Overrides) and self._values == other._values
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._values.items())))
-
-    def __repr__(self) -> str:
-        return f"Overrides({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
-
-    def items(self) -> Iterable[tuple[RunSetting, Any]]:
-        """The set settings with their values, in declaration order."""
-        return [(s, self._values[s.name]) for s in RUN_SETTINGS if s.name in self._values]
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """The run settings' names, in declaration order."""
-        return tuple(_BY_NAME)
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> Overrides:
-        """The run settings among ``values`` (argparse's namespace, the flow's parameters); other
-        keys and None values are ignored."""
-        return cls(**{k: values[k] for k in _BY_NAME if values.get(k) is not None})
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The set settings as keyword arguments of the flow (lists where the flow takes one)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
 
 
 def add_cli_options(parser: argparse.ArgumentParser, settings: Iterable[RunSetting] = (PARTITION, *RUN_SETTINGS)) -> None:
@@ -246,10 +292,12 @@ def add_cli_options(parser: argparse.ArgumentParser, settings: Iterable[RunSetti
         parser.add_argument(s.option, **kwargs)
 
 
-def flow_parameters(settings: Iterable[RunSetting] = RUN_SETTINGS) -> list[inspect.Parameter]:
-    """The flow's keyword parameters, one per setting, each defaulting to None."""
-    return [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=s.annotation())
-            for s in settings]
+def flow_parameters(model: type[BaseModel] = RunSettings) -> list[inspect.Parameter]:
+    """The flow's parameters the model says it has: one per field, in order, with the field's type
+    (its bounds and choices included) and None for default. flows/datagen.py declares them; the
+    tests hold its signature against this."""
+    return [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                              annotation=info.annotation) for name, info in model.model_fields.items()]
 
 
 def reference_table(settings: Iterable[RunSetting] = (PARTITION, *RUN_SETTINGS)) -> str:

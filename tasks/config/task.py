@@ -7,13 +7,13 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from tasks.config import Overrides, PartitionConfig, load_partition
+from tasks.config import PartitionConfig, RunSettings, load_partition
 
 __all__ = ["load_config"]
 
 
 @task(name="load-config", task_run_name="load-config", cache_policy=NONE)
-def load_config(partition: str, overrides: Overrides) -> PartitionConfig:
+def load_config(partition: str, overrides: RunSettings) -> PartitionConfig:
     """Load ``deployments/<partition>.toml`` (or a path) and apply the overrides. Not retried.
 
     Raises:

@@ -13,6 +13,7 @@ from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
 from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
 from tasks.run import RunContext
+from tasks.server import DEFAULT_PORT
 
 __all__ = ["hygiene", "no_gpu_ways"]
 
@@ -23,7 +24,8 @@ def no_gpu_ways(model_path: str | None) -> str:
     return ("the ways on: run where the GPUs are ([server] targets = [\"ssh://user@gpu-host\"] in a partition, "
             "`datagen run --partition FILE.toml`); use a server already running elsewhere (--server-url "
             "http://host:port); SGLang on this CPU, slow but real (start `python -m sglang.launch_server "
-            f"--model-path {model} --device cpu --port 30000` and pass --server-url http://127.0.0.1:30000: "
+            f"--model-path {model} --device cpu --port {DEFAULT_PORT}` and pass --server-url "
+            f"http://127.0.0.1:{DEFAULT_PORT}: "
             "datagen launches servers on GPUs only); or try the pipeline on the emulator (--backend emulator: "
             "simulated GPUs are created under the output)")
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from tasks.server._config import (
     API_KEY_ENV,
+    BACKENDS,
     BOOTSTRAP_ENV,
+    DEFAULT_PORT,
     SPECULATIVE_ALGORITHMS,
+    Backend,
     ServerConfig,
     ServerConfigError,
     ServerError,
@@ -70,8 +73,11 @@ __all__ = [
     "adopt_running",
     "guardian_state",
     "API_KEY_ENV",
+    "BACKENDS",
+    "Backend",
     "Attempt",
     "BOOTSTRAP_ENV",
+    "DEFAULT_PORT",
     "Failure",
     "FailureKind",
     "FileStore",

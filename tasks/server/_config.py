@@ -20,14 +20,17 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from tasks.errors import DatagenError
 from tasks.redact import redact_text, secret_forms
 
 __all__ = [
     "API_KEY_ENV",
+    "BACKENDS",
+    "Backend",
     "BOOTSTRAP_ENV",
+    "DEFAULT_PORT",
     "SPECULATIVE_ALGORITHMS",
     "ServerConfig",
     "ServerConfigError",
@@ -69,6 +72,13 @@ class ServerConfigError(ServerError, ValueError):
         self.field = field
 
 
+# SGLang's own default --port: a remote server's port when the partition names none.
+DEFAULT_PORT = 30000
+# What serves the model: SGLang, or the emulator standing in for it (no GPU).
+Backend = Literal["sglang", "emulator"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What to launch. Validated on construction (raises ServerConfigError)."""
@@ -76,7 +86,7 @@ class ServerConfig:
     model_path: str
     tp_size: int = 1
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int = DEFAULT_PORT
     mem_fraction_static: float | None = None
     reasoning_parser: str | None = None
     served_model_name: str | None = None
@@ -94,7 +104,7 @@ class ServerConfig:
     speculative_num_draft_tokens: int | None = None
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
-    backend: Literal["sglang", "emulator"] = "sglang"
+    backend: Backend = "sglang"
     python: str = sys.executable
     gpus: tuple[int, ...] | None = None
     # repr=False: the flow puts the hub token (HF_TOKEN) here; a logged config must not show it
@@ -106,8 +116,8 @@ class ServerConfig:
 
         if not str(self.model_path).strip():
             raise bad("model_path", "must not be empty")
-        if self.backend not in ("sglang", "emulator"):
-            raise bad("backend", "must be 'sglang' or 'emulator'")
+        if self.backend not in BACKENDS:
+            raise bad("backend", f"must be one of {', '.join(map(repr, BACKENDS))}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise bad("tp_size", "must be an integer >= 1")
         if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
@@ -353,4 +363,5 @@ def redact(argv: Sequence[str], secret: str | None) -> list[str]:
     if not secret:
         return list(argv)
     return [redact_text(a, [secret]) for a in argv]
+
 

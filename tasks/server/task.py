@@ -25,6 +25,7 @@ from tasks.artifacts import artifact_key, gpu_label, markdown, run_name
 from tasks.inference import Endpoint, external_fingerprint
 from tasks.run import RunContext
 from tasks.server import (
+    DEFAULT_PORT,
     Failure,
     LaunchReport,
     ServerHandle,
@@ -75,7 +76,7 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
         LaunchFailed: no fraction worked, or a failure no fraction fixes (retried when transient).
     """
     cfg = ctx.cfg
-    port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else 30000)
+    port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else DEFAULT_PORT)
     pinned = ctx.explicit_fraction if attempt == 1 else None
     handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
                                   on_started=on_started, pinned=pinned,
@@ -212,7 +213,7 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> Failure:
     failure = classify_failure(text, status)
     logger.warning("server on %s gone (exit %s): %s: %s", ctx.host, status, failure.kind, failure.explanation)
     if failure.kind == "too_high":
-        port = urlsplit(handle.url).port or 30000
+        port = urlsplit(handle.url).port or DEFAULT_PORT
         entry = record_runtime_oom(ctx.cfg.server_config(port, ctx.parser), parse_target(ctx.target),
                                    handle.fraction, log_text=text)
         if entry is not None:

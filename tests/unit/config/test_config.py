@@ -14,7 +14,14 @@ import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from datagen.cmd_run import build_parser, overrides_of
-from tasks.config import ConfigError, Overrides, ServerSettings, list_partitions, load_partition, project_root
+from tasks.config import (
+    ConfigError,
+    RunSettings,
+    ServerSettings,
+    list_partitions,
+    load_partition,
+    project_root,
+)
 from tasks.config._model import NOT_SERVER_KEYS, SERVER_KEYS, dataset_name_of
 from tasks.config._sampling import SAMPLING_KEYS
 from tasks.inference import TruncationPolicy
@@ -138,7 +145,7 @@ def test_overrides(tmp_path: Path) -> None:
     cfg = load_partition("all")
     inp = tmp_path / "my_set.jsonl"
     inp.write_text("{}\n")
-    o = cfg.with_overrides(Overrides(inputs=(str(inp),), out=str(tmp_path / "out"), backend="emulator",
+    o = cfg.with_overrides(RunSettings(inputs=(str(inp),), out=str(tmp_path / "out"), backend="emulator",
                                      shard_size=7, concurrency=3, mem_fraction_static=0.8,
                                      reasoning_parser="deepseek-r1", server_url="http://127.0.0.1:9/"))
     assert dict(o.datasets) == {"my_set": inp}
@@ -158,7 +165,7 @@ def test_overrides(tmp_path: Path) -> None:
         ({"regenerate": "first"}, "override: regenerate: 'first' is not one of 'last', 'all'"),
     ]:
         with pytest.raises(ConfigError, match=fragment):
-            cfg.with_overrides(Overrides(**kwargs))
+            cfg.with_overrides(RunSettings(**kwargs))
 
 
 def test_samples_and_regenerate_from_the_file_and_overrides(tmp_path: Path) -> None:
@@ -168,7 +175,7 @@ def test_samples_and_regenerate_from_the_file_and_overrides(tmp_path: Path) -> N
     cfg = load_partition(_write(tmp_path, BASE + '[run]\nsamples = 4\nregenerate = "all"\n'))
     assert (cfg.samples, cfg.regenerate) == (4, "all")
     assert cfg.to_summary()["samples"] == 4 and cfg.to_summary()["regenerate"] == "all"
-    o = cfg.with_overrides(Overrides(samples=2, regenerate="last"))
+    o = cfg.with_overrides(RunSettings(samples=2, regenerate="last"))
     assert (o.samples, o.regenerate) == (2, "last")
     for body, fragment in [("[run]\nsamples = 0\n", "run.samples: 0 is not a positive integer"),
                            ('[run]\nsamples = "3"\n', "run.samples: '3' is not a positive integer"),
@@ -213,20 +220,20 @@ def test_every_flow_parameter_is_an_override_and_every_override_a_flow_parameter
     from flows.datagen import datagen
 
     params = [p for p in inspect.signature(datagen.fn).parameters if p != "partition"]
-    assert params == list(Overrides.names())
-    assert Overrides.from_mapping({"shard_size": 7, "inputs": ["a.jsonl"], "out": None, "other": 1}) == Overrides(
+    assert params == list(RunSettings.names())
+    assert RunSettings.from_mapping({"shard_size": 7, "inputs": ["a.jsonl"], "out": None, "other": 1}) == RunSettings(
         shard_size=7, inputs=("a.jsonl",))
-    assert Overrides(inputs=("a.jsonl",), backend="emulator").as_kwargs() == {"inputs": ["a.jsonl"],
+    assert RunSettings(inputs=("a.jsonl",), backend="emulator").as_kwargs() == {"inputs": ["a.jsonl"],
                                                                             "backend": "emulator"}
 
 
 def test_cli_options_are_the_overrides() -> None:
     args = build_parser().parse_args(["--input", "x.jsonl", "--shard-size", "3", "--mem-fraction-static", "0.7",
                                       "--reasoning-parser", "qwen3", "--samples", "4", "--regenerate", "all"])
-    assert overrides_of(args) == Overrides(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
+    assert overrides_of(args) == RunSettings(inputs=("x.jsonl",), shard_size=3, mem_fraction_static=0.7,
                                            reasoning_parser="qwen3", samples=4, regenerate="all")
     dests = {a.dest for a in build_parser()._actions} - {"help", "partition"}
-    assert dests == set(Overrides.names())
+    assert dests == set(RunSettings.names())
 
 
 def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
@@ -234,7 +241,7 @@ def test_two_inputs_with_one_name_are_refused(tmp_path: Path) -> None:
     a.write_text("{}\n")
     pq.write_table(pa.table({"prompt": ["hi"]}), b)
     with pytest.raises(ConfigError, match=r"override: --input .*alpha\.parquet: a second input named 'alpha'"):
-        load_partition("all").with_overrides(Overrides(inputs=(str(a), str(b))))
+        load_partition("all").with_overrides(RunSettings(inputs=(str(a), str(b))))
 
 
 def test_unknown_server_key_names_the_file_and_the_key(tmp_path: Path) -> None:
@@ -327,7 +334,7 @@ def test_server_fingerprint_ignores_port_fraction_and_parser(tmp_path: Path) -> 
     launch = dataclasses.replace(cfg.server.launch, tp_size=cfg.server.launch.tp_size + 1)
     other = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, launch=launch))
     assert other.server_fingerprint() != cfg.server_fingerprint()
-    shared = cfg.with_overrides(Overrides(server_url="http://127.0.0.1:9/"))
+    shared = cfg.with_overrides(RunSettings(server_url="http://127.0.0.1:9/"))
     assert shared.server_fingerprint() == "external:http://127.0.0.1:9"
 
 
@@ -425,13 +432,13 @@ def test_input_and_output_paths_are_checked_at_load(tmp_path: Path) -> None:
         "directory")
     cfg = load_partition("all")
     with pytest.raises(ConfigError, match=rf"^override: --input {tmp_path}/dir\.jsonl: is a directory; give a dataset file"):
-        cfg.with_overrides(Overrides(inputs=(str(tmp_path / "dir.jsonl"),)))
+        cfg.with_overrides(RunSettings(inputs=(str(tmp_path / "dir.jsonl"),)))
     with pytest.raises(ConfigError, match=r"^override: out: /sys/x/y: cannot write in /sys"):
-        cfg.with_overrides(Overrides(out="/sys/x/y"))
+        cfg.with_overrides(RunSettings(out="/sys/x/y"))
     journal = tmp_path / "_journal.jsonl"
     journal.write_text("{}\n")
     with pytest.raises(ConfigError, match=r"^override: --input .*_journal\.jsonl: dataset name '_journal' must be"):
-        cfg.with_overrides(Overrides(inputs=(str(journal),)))
+        cfg.with_overrides(RunSettings(inputs=(str(journal),)))
     assert not list(tmp_path.glob(".datagen-write-test-*"))
 
 
@@ -475,12 +482,12 @@ def test_a_secret_block_without_a_value_is_refused_at_launch_for_a_routable_host
 def test_tp_size_override(tmp_path: Path) -> None:
     cfg = load_partition("all")
     assert cfg.server.launch.tp_size == 8
-    assert cfg.with_overrides(Overrides(tp_size=2)).server_gpus() == [0, 1]
+    assert cfg.with_overrides(RunSettings(tp_size=2)).server_gpus() == [0, 1]
     with pytest.raises(ConfigError, match=r"^override: tp_size: 0 is not a positive integer"):
-        cfg.with_overrides(Overrides(tp_size=0))
+        cfg.with_overrides(RunSettings(tp_size=0))
     f = _write(tmp_path, BASE + "[server]\ntp_size = 2\ngpus = [4, 5]\n")
     with pytest.raises(ConfigError, match=r"^override: tp_size: server config: gpus=\(4, 5\): tp_size=3 needs"):
-        load_partition(f).with_overrides(Overrides(tp_size=3))
+        load_partition(f).with_overrides(RunSettings(tp_size=3))
 
 
 def test_an_input_run_without_a_partition_uses_the_adhoc_partition_on_one_gpu(tmp_path: Path) -> None:
@@ -490,11 +497,11 @@ def test_an_input_run_without_a_partition_uses_the_adhoc_partition_on_one_gpu(tm
     inp.write_text("{}\n")
     args = build_parser().parse_args(["--input", str(inp), "--model-path", str(tmp_path)])
     assert partition_of(args) == "adhoc"
-    cfg = load_partition(partition_of(args)).with_overrides(Overrides(inputs=(str(inp),), model_path=str(tmp_path)))
+    cfg = load_partition(partition_of(args)).with_overrides(RunSettings(inputs=(str(inp),), model_path=str(tmp_path)))
     assert (cfg.server.launch.tp_size, cfg.server_gpus(), cfg.server.port, cfg.versioned) == (1, [0], 0, False)
     assert dict(cfg.datasets) == {"prompts": inp} and cfg.model_path == str(tmp_path)
     args = build_parser().parse_args(["--input", str(inp), "--model-path", str(tmp_path), "--tp-size", "4"])
-    assert load_partition(partition_of(args)).with_overrides(Overrides.from_mapping(vars(args))).server_gpus() == [
+    assert load_partition(partition_of(args)).with_overrides(RunSettings.from_mapping(vars(args))).server_gpus() == [
         0, 1, 2, 3]
     assert partition_of(build_parser().parse_args([])) == "all"
     assert partition_of(build_parser().parse_args(["--input", str(inp), "--partition", "demo"])) == "demo"
@@ -507,12 +514,12 @@ def test_truncation_policy_from_run_truncation_and_the_override(tmp_path: Path) 
     assert cfg.truncation == TruncationPolicy(retries=2, factor=1.5, max_new_tokens=16384)  # typed at load
     plan = RunPlan(out_dir=tmp_path / "o", root=tmp_path, version=None, sim_gpus=None, log_dir=tmp_path / "l")
     assert RunContext.build(cfg, plan, None).inference().truncation == TruncationPolicy(2, 1.5, 16384)
-    assert cfg.with_overrides(Overrides(truncation_retries=0)).truncation == TruncationPolicy(0, 1.5, 16384)
+    assert cfg.with_overrides(RunSettings(truncation_retries=0)).truncation == TruncationPolicy(0, 1.5, 16384)
     assert load_partition(_write(tmp_path, BASE)).truncation == TruncationPolicy()  # off unless set
     assert not TruncationPolicy().enabled
     with pytest.raises(ConfigError, match=r"^override: truncation_retries: -1 is not a non-negative integer"):
-        cfg.with_overrides(Overrides(truncation_retries=-1))
-    assert overrides_of(build_parser().parse_args(["--truncation-retries", "3"])) == Overrides(truncation_retries=3)
+        cfg.with_overrides(RunSettings(truncation_retries=-1))
+    assert overrides_of(build_parser().parse_args(["--truncation-retries", "3"])) == RunSettings(truncation_retries=3)
 
 
 @pytest.mark.parametrize(

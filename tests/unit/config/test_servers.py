@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import ConfigError, Overrides, load_partition, project_root
+from tasks.config import ConfigError, RunSettings, load_partition, project_root
 
 ROOT = project_root()
 
@@ -81,15 +81,15 @@ def test_several_running_servers(tmp_path: Path) -> None:
     assert one.server_urls == ("http://a:1",)  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match=r"run.server_url: 'http://a:1/' is given twice"):
         _load(tmp_path, "", 'server_url = ["http://a:1", "http://a:1/"]')
-    over = one.with_overrides(Overrides.from_mapping({"server_url": ["http://c:2", "http://d:3/"]}))  # type: ignore[attr-defined]
+    over = one.with_overrides(RunSettings.from_mapping({"server_url": ["http://c:2", "http://d:3/"]}))  # type: ignore[attr-defined]
     assert over.server_urls == ("http://c:2", "http://d:3") and over.server_url == "http://c:2"
-    assert Overrides.from_mapping({"server_url": ["http://c:2"]}).as_kwargs() == {"server_url": ["http://c:2"]}
+    assert RunSettings.from_mapping({"server_url": ["http://c:2"]}).as_kwargs() == {"server_url": ["http://c:2"]}
     assert over.for_url("http://d:3").server_urls == ("http://d:3",)
     with pytest.raises(ConfigError, match="override: server_url: 'c:2' is not an http"):
-        one.with_overrides(Overrides(server_url=("http://c:1", "c:2")))  # type: ignore[attr-defined]
+        one.with_overrides(RunSettings(server_url=("http://c:1", "c:2")))  # type: ignore[attr-defined]
 
 
 def test_an_override_that_breaks_a_server_names_it(tmp_path: Path) -> None:
     cfg = _load(tmp_path, 'targets = [{ target = "ssh://h", gpus = [[0], [1]] }]')
     with pytest.raises(ConfigError, match=r"override: server.targets: ssh://h server 0 \(GPUs \[0\]\).*tp_size=2"):
-        cfg.with_overrides(Overrides(tp_size=2))  # type: ignore[attr-defined]
+        cfg.with_overrides(RunSettings(tp_size=2))  # type: ignore[attr-defined]
