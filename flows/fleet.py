@@ -42,6 +42,7 @@ from flows.lifecycle import Drop, DropKind, Lifecycle, Move, Phase
 from flows.retry import health_check, hygiene, identify_server, launch_server
 from tasks.artifacts import artifact_key
 from tasks.inference import Endpoint, ServerPool, ServerReport
+from tasks.poll import Backoff, poll_until
 from tasks.run import RunContext
 from tasks.server import HangWatchdog, ServerHandle
 from tasks.server.task import adopt_server, diagnose_server, plan_key, stop
@@ -463,8 +464,7 @@ def _end(server: _Server, name: str) -> str:
     its port taken). Returns what still could not be stopped ("" when nothing)."""
     ctx = server.ctx
     logger = get_run_logger()
-    deadline = time.monotonic() + ctx.cfg.host_wait_s
-    delay = 1.0
+    host_wait = Backoff(ctx.cfg.host_wait_s, 1.0, 15.0)
     while True:
         try:
             if server.handle is not None:
@@ -473,10 +473,7 @@ def _end(server: _Server, name: str) -> str:
                 hygiene(ctx, "after-failed-launch")
             return ""
         except Exception as exc:
-            left = deadline - time.monotonic()
-            if ctx.launches and left > 0 and not reachable(ctx.target):
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 15.0)
+            if ctx.launches and host_wait.left > 0 and not reachable(ctx.target) and host_wait.wait():
                 continue
             handle = server.handle
             logger.error("server %s could not be stopped (%s): clean its GPUs once %s answers "
@@ -513,17 +510,9 @@ def reachable(target: str) -> bool:
 def _wait_reachable(ctx: RunContext, closing: threading.Event) -> bool:
     """Wait (backing off to 15 s between probes) until the server's host answers; False when the
     run ends first or ``run.host_wait_s`` passes."""
-    deadline = time.monotonic() + ctx.cfg.host_wait_s
-    delay = 1.0
-    while not closing.is_set():
-        if reachable(ctx.target):
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        closing.wait(min(delay, left))
-        delay = min(delay * 2, 15.0)
-    return False
+    answered = poll_until(lambda: closing.is_set() or reachable(ctx.target), ctx.cfg.host_wait_s, 1.0, 15.0,
+                          closing.wait)
+    return answered and not closing.is_set()
 
 
 def _short(exc: BaseException) -> str:

@@ -11,7 +11,6 @@ that is SIGKILLed gets no hook at all: the next run's first task is hygiene anyw
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,10 @@ from prefect.logging.loggers import flow_run_logger
 
 from flows import runrecord
 from flows.gpulimit import host_of, release_lease
+from tasks import standins
 from tasks.artifacts import artifact_key
 from tasks.config import load_partition
-from tasks.gpus import SIM_GPUS_ENV, SIM_GPUS_NOTE
+from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import clean_gpus
 
 __all__ = ["cleanup_hook"]
@@ -55,10 +55,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
         # whatever is on those GPUs belongs to another run, which cleaning would kill.
         logger.info("cleanup hook (%s): the run never held a GPU slot; nothing of ours to clean", state.name)
         return
-    sim = record.sim_gpus
-    if sim and not os.environ.get(SIM_GPUS_ENV):
-        # The worker did not inherit the run's simulated GPUs; hygiene must look at the same file.
-        os.environ[SIM_GPUS_ENV] = sim
+    standins.look_at(record.sim_gpus)  # a worker may not have inherited them: hygiene must look there
     lines = [f"# Cleanup after {state.name}", ""]
     verdicts: list[str] = []  # hygiene's verdict per target
     # This run's local servers, recorded as soon as each process existed (a server still loading

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from tasks.poll import poll_until
+
 __all__ = [
     "START_TOLERANCE_S",
     "GroupEnd",
@@ -131,26 +133,22 @@ def _wait(pgid: int, timeout_s: float, seen: dict[int, ProcessIdentity | None], 
           leader: subprocess.Popen[bytes] | None) -> bool:
     """Poll until no member of ``pgid`` nor of ``outside`` lives and ``leader`` is reaped; True when
     that happened within ``timeout_s``. Members are noted in ``seen``."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.02
-    while True:
+    def gone() -> bool:
         if leader is not None:
             leader.poll()  # reap our own child so it does not linger as a zombie
         members = group_pids(pgid)
         _note(members, seen)
-        if (not members and not any(same_process(p) for p in outside)
-                and (leader is None or leader.returncode is not None)):
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        step = min(delay, left)
+        return (not members and not any(same_process(p) for p in outside)
+                and (leader is None or leader.returncode is not None))
+
+    def wait(step: float) -> None:
         if leader is not None and leader.returncode is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 leader.wait(timeout=step)  # returns at once when the leader exits
         else:
             time.sleep(step)  # processes we do not parent: nothing to wait on
-        delay = min(delay * 2, 0.25)
+
+    return poll_until(gone, timeout_s, 0.02, 0.25, wait)
 
 
 def _identities(pids: Iterable[int]) -> list[ProcessIdentity]:

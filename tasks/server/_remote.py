@@ -21,10 +21,10 @@ import contextlib
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tasks.poll import Backoff, poll_until
 from tasks.server._config import ServerConfig, launch_argv, launch_env, log_file_name
 from tasks.server._log import Failure, LaunchFailed
 from tasks.targets import Target, parse_target, run_command, ssh_command, start_detached
@@ -115,27 +115,20 @@ def kill_group(target: str | Target, pgid: int, grace_s: float, leader_first_s: 
     much of ``grace_s`` to exit (as tasks.procs.terminate_group does locally).
     """
     t = parse_target(target)
-    deadline = time.monotonic() + grace_s
+    grace = Backoff(grace_s, 0.0, 0.0)  # only its deadline: each poll below has its own waits
     if leader_first_s > 0:
         run_command(t, ["kill", "-TERM", "--", str(pgid)], timeout_s=_CMD_TIMEOUT_S)
-        if _group_gone(t, pgid, min(time.monotonic() + leader_first_s, deadline)):
+        if _group_gone(t, pgid, min(leader_first_s, grace.left)):
             return
     run_command(t, ["kill", "-TERM", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
-    if not _group_gone(t, pgid, deadline):
+    if not _group_gone(t, pgid, grace.left):
         run_command(t, ["kill", "-KILL", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
 
 
-def _group_gone(t: Target, pgid: int, deadline: float) -> bool:
-    """Poll ``pgrep -g`` until the group is empty (True) or ``deadline`` (monotonic) passes."""
-    delay = 0.1
-    while True:
-        if not run_command(t, ["pgrep", "-g", str(pgid)], timeout_s=_CMD_TIMEOUT_S).stdout.strip():
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, 1.0)
+def _group_gone(t: Target, pgid: int, timeout_s: float) -> bool:
+    """Poll ``pgrep -g`` until the group is empty (True) or ``timeout_s`` passes."""
+    return poll_until(lambda: not run_command(t, ["pgrep", "-g", str(pgid)], timeout_s=_CMD_TIMEOUT_S).stdout.strip(),
+                      timeout_s, 0.1, 1.0)
 
 
 def open_tunnel(target: Target, host: str, port: int) -> Tunnel:
@@ -149,9 +142,13 @@ def open_tunnel(target: Target, host: str, port: int) -> Tunnel:
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     tunnel = Tunnel(proc, local_port)
-    deadline = time.monotonic() + TUNNEL_DEADLINE_S
-    delay = 0.02
-    while time.monotonic() < deadline:
+    backoff = Backoff(TUNNEL_DEADLINE_S, 0.02, 0.5)
+
+    def wait(step: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(step)  # returns at once when ssh exits
+
+    while True:
         if proc.poll() is not None:
             err = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
             tunnel.close()
@@ -160,9 +157,8 @@ def open_tunnel(target: Target, host: str, port: int) -> Tunnel:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", local_port)) == 0:
                 return tunnel
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(delay)
-        delay = min(delay * 2, 0.5)
+        if not backoff.wait(wait):
+            break
     tunnel.close()
     raise LaunchFailed(Failure("unknown", f"SSH port forward to {target} not up within {TUNNEL_DEADLINE_S:g} s"),
                        "", command=argv)
