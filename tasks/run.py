@@ -3,7 +3,7 @@
 ``RunContext`` is built once in the flow, after the config is loaded and the output chosen, and
 handed to every stage task (tasks/<stage>/task.py) and server lifecycle instead of long argument
 lists. It is plain data with no Prefect in it, below the stage tasks that take it, so that
-``tasks/`` never imports ``flows/`` (docs/decisions/111-stage-tasks.md). It is a plain
+``tasks/`` never imports ``flows/`` (docs/decisions/111-stage-tasks-beside-their-cores.md). It is a plain
 object, not a dataclass, on purpose: Prefect walks a task's dataclass arguments to draw the run's
 graph and would draw an edge from every task whose result the context holds (the config, the plan)
 to every task given the context; an opaque object is passed as is, so the graph shows only the data
