@@ -9,9 +9,7 @@ once, at its start.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
+from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import deployment
 from prefect.settings import get_current_settings
@@ -42,9 +40,11 @@ def heartbeat_warning(frequency_s: int | None, bound_s: int | None) -> str | Non
     return None
 
 
-def check_heartbeats(logger: logging.Logger | logging.LoggerAdapter[Any]) -> str | None:
-    """In a deployment run: warn (and return the warning) when this run's heartbeat frequency does
-    not fit the server's zombie automation. Outside one, or when the API cannot say: None."""
+def check_heartbeats() -> str | None:
+    """In a deployment run: warn in the run's log (and return the warning) when this run's heartbeat
+    frequency does not fit the server's zombie automation. Outside one, or when the API cannot say:
+    None."""
+    logger = get_run_logger()
     if not deployment.id:
         return None  # ad hoc runs are not watched by the automation (it matches deployment runs)
     try:

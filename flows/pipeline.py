@@ -73,7 +73,7 @@ def opened_output(ctx: RunContext, progress: Progress) -> Iterator[OutputDir]:
     with output.lock({"host": socket.gethostname(), "pid": os.getpid(), "flow_run": ctx.run_id}):
         output.check_intact()
         progress.start(committed(output))
-        check_heartbeats(progress.logger)
+        check_heartbeats()  # a deployment run the zombie automation would misjudge says so at once
         yield output
 
 
@@ -83,7 +83,7 @@ def gpu_hosts(ctx: RunContext) -> Iterator[None]:
     launches on (none for shared servers)."""
     targets = [s.target for s in ctx.cfg.servers()] if ctx.launches else []
     if targets:
-        _reclaim_dead_runs(ctx)
+        _reclaim_dead_runs()
     with gpu_slots(targets, on_lease=_record_lease(ctx.run_id),
                    on_release=lambda: runrecord.lease_released(ctx.run_id),
                    holders=lambda name: slot_holders(name, exclude=ctx.run_id)):
@@ -179,18 +179,19 @@ def _record_lease(run_id: str | None) -> Callable[[str], None]:
     return record
 
 
-def _reclaim_dead_runs(ctx: RunContext) -> None:
+def _reclaim_dead_runs() -> None:
     """Free what this machine's dead runs left (flows/runrecord.py): the ``gpu:<host>`` leases of
     SIGKILLed runs, and their servers (e.g. a flow SIGKILLed while its server was still loading),
     which would hold the port or GPU memory. Servers are ended by process group once their pid and
-    start time are checked."""
+    start time are checked, with the grace their guardian would give them. Nothing of this run's is
+    needed: a run whose process lives is not dead, this one included."""
     logger = get_run_logger()
-    for lease in runrecord.release_dead_leases(release_lease, exclude=ctx.run_id):
+    for lease in runrecord.release_dead_leases(release_lease):
         logger.warning("released gpu slot lease %s of a dead run on this host", lease)
-    for dead_run, entry in runrecord.end_dead_servers(exclude=ctx.run_id, grace_s=ctx.cfg.hygiene_grace_s):
+    for dead_run, entry in runrecord.end_dead_servers(grace_s=runrecord.DEAD_SERVER_GRACE_S):
         logger.warning("ended server pid %s (process group %s) of dead run %s on this host",
                        entry.pid, entry.pgid or entry.pid, dead_run)
-    pruned = runrecord.prune(exclude=ctx.run_id)
+    pruned = runrecord.prune()
     if pruned:
         logger.info("removed %d run record(s) of finished runs older than %g days from %s", len(pruned),
                     runrecord.RECORD_KEEP_DAYS, state_dir() / "runs")

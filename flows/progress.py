@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -30,6 +30,8 @@ from tasks.artifacts import artifact_key
 from tasks.inference import DEFAULT_CONCURRENCY, ShardProgress
 
 __all__ = ["LABEL_EVERY_S", "DatasetCounts", "Progress", "artifact_key", "fmt_duration"]
+
+ProgressState = Literal["running", "done", "failed", "cancelled"]
 
 # The flow run's progress label is set at the first committed shard, then at most this often: each
 # set is an API write (about 60 ms of client CPU and a database write), and a run of small shards
@@ -88,7 +90,7 @@ class Progress:
     counts: dict[str, DatasetCounts] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
-    state: str = "running"  # running | done | failed | cancelled
+    state: ProgressState = "running"
     why: str = ""
     shards_new: int = 0  # committed by this run (the others were resumed)
     eta: Eta | None = None
@@ -241,7 +243,7 @@ class Progress:
         ctx = contextvars.copy_context()
         self._pool.submit(ctx.run, _safe_label, self.flow_run_id, labels)
 
-    def close(self, state: str = "done", why: str = "") -> None:
+    def close(self, state: ProgressState = "done", why: str = "") -> None:
         """End the progress: ``done`` (100%), ``failed`` (``why``: e.g. the error's name) or
         ``cancelled`` (``why``: by whom), said in the artifact and the log; then wait for the
         artifact's updates."""

@@ -31,9 +31,10 @@ from typing import Any
 from tasks.config import state_dir
 from tasks.files import atomic_write_json
 from tasks.procs import ProcessIdentity, process_started, same_process, terminate_group
-from tasks.server._leash import guardian_state
+from tasks.server._leash import LEASH_GRACE_S, guardian_state
 
 __all__ = [
+    "DEAD_SERVER_GRACE_S",
     "RECORD_KEEP_DAYS",
     "Owner",
     "RunRecord",
@@ -412,6 +413,9 @@ def end_dead_servers(exclude: str | None = None, grace_s: float = 5.0) -> list[t
     return ended
 
 
+# A dead run's server is ended with the grace its guardian gives it (tasks.server._leash): what the new
+# run's partition says about its own servers does not apply to another run's.
+DEAD_SERVER_GRACE_S = LEASH_GRACE_S
 RECORD_KEEP_DAYS = 14.0  # a finished run's record is kept this long (for `datagen status`, a post-mortem)
 RECORD_KEEP_LAST = 100  # and the newest this many records are kept whatever their age
 

@@ -1,7 +1,7 @@
 """Waiting for something to become true, bounded: the one poll loop of the product.
 
-``Backoff(timeout_s, first_s, max_s)`` is the time between two looks: ``first_s``, doubling up to
-``max_s``, never past the deadline. ``poll_until(check, ...)`` looks until ``check()`` is true or
+``Backoff(timeout_s, first_s, max_s)`` is the time between two looks: ``first_s``, doubling (or
+growing by ``factor``) up to ``max_s``, never past the deadline. ``poll_until(check, ...)`` looks until ``check()`` is true or
 the deadline passes. Both take the waiting function (``time.sleep``, an ``Event.wait`` that ends the
 wait early, a child's ``wait``), so a loop that must notice a stop or an exit does so at once.
 
@@ -21,10 +21,11 @@ __all__ = ["Backoff", "poll_until"]
 class Backoff:
     """The waits of one bounded poll (see the module docstring)."""
 
-    def __init__(self, timeout_s: float, first_s: float, max_s: float) -> None:
+    def __init__(self, timeout_s: float, first_s: float, max_s: float, factor: float = 2.0) -> None:
         self.deadline = time.monotonic() + timeout_s
         self.delay = first_s
         self.max_s = max_s
+        self.factor = factor
 
     @property
     def left(self) -> float:
@@ -38,7 +39,7 @@ class Backoff:
         if left <= 0:
             return False
         sleep(min(self.delay, left))
-        self.delay = min(self.delay * 2, self.max_s)
+        self.delay = min(self.delay * self.factor, self.max_s)
         return True
 
 

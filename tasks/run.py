@@ -35,32 +35,25 @@ class RunPlan:
 
 
 class RunContext:
-    """One run's fixed facts.
+    """One run's fixed facts: the config (with the run's overrides), the output plan, the Prefect run
+    id and the reasoning parser, read once (it may read the model directory). The server's place
+    (``target``, ``host``, ``gpus``) and the rows' ``fingerprint`` are read off the config, so the
+    context of one server of the run is the same context with that server's config (``for_server``).
 
     Args:
         cfg: the partition config with the run's overrides applied.
         plan: the output directory chosen for the run.
         run_id: the Prefect flow run id (None outside a flow run).
-        target: where the server runs (the first target; ``for_server`` gives each server's).
-        host: the physical GPU host of ``target``.
-        gpus: the GPUs the server uses: the only ones the run's hygiene touches.
         parser: the reasoning parser (None: no split).
-        fingerprint: the rows' ``server`` column of a launched server (``PartitionConfig.server_fingerprint``;
-            a shared server's is asked of the server by the server session).
     """
 
-    __slots__ = ("cfg", "fingerprint", "gpus", "host", "parser", "plan", "run_id", "target")
+    __slots__ = ("cfg", "parser", "plan", "run_id")
 
-    def __init__(self, *, cfg: PartitionConfig, plan: RunPlan, run_id: str | None, target: str, host: str,
-                 gpus: tuple[int, ...], parser: str | None, fingerprint: str) -> None:
+    def __init__(self, *, cfg: PartitionConfig, plan: RunPlan, run_id: str | None, parser: str | None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.run_id = run_id
-        self.target = target
-        self.host = host
-        self.gpus = gpus
         self.parser = parser
-        self.fingerprint = fingerprint
 
     def _fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -80,16 +73,33 @@ class RunContext:
     @classmethod
     def build(cls, cfg: PartitionConfig, plan: RunPlan, run_id: str | None) -> RunContext:
         """The context of a run of ``cfg`` into ``plan``."""
-        target = cfg.targets[0]
-        return cls(cfg=cfg, plan=plan, run_id=run_id, target=target, host=host_of(target),
-                   gpus=tuple(cfg.server_gpus()), parser=_parser(cfg), fingerprint=cfg.server_fingerprint())
+        return cls(cfg=cfg, plan=plan, run_id=run_id, parser=_parser(cfg))
 
     def for_server(self, cfg: PartitionConfig) -> RunContext:
         """The context of one server of the run: ``cfg`` is ``self.cfg.for_server(slot)`` (a
         launched server) or ``self.cfg.for_url(url)`` (a running one)."""
-        target = cfg.targets[0]
-        return self.replace(cfg=cfg, target=target, host=host_of(target), gpus=tuple(cfg.server_gpus()),
-                            fingerprint=cfg.server_fingerprint())
+        return self.replace(cfg=cfg)
+
+    @property
+    def target(self) -> str:
+        """Where the server runs (the config's first target; ``for_server`` gives each server's)."""
+        return self.cfg.targets[0]
+
+    @property
+    def host(self) -> str:
+        """The physical GPU host of ``target``."""
+        return host_of(self.target)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """The GPUs the server uses: the only ones the run's hygiene touches."""
+        return tuple(self.cfg.server_gpus())
+
+    @property
+    def fingerprint(self) -> str:
+        """The rows' ``server`` column of a launched server (``PartitionConfig.server_fingerprint``; a
+        shared server's is asked of the server by its lifecycle)."""
+        return self.cfg.server_fingerprint()
 
     @property
     def explicit_fraction(self) -> float | None:

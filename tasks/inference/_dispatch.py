@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import threading
 import time
 from collections import OrderedDict, deque
@@ -39,7 +40,16 @@ from tasks.inference._client import (
 )
 from tasks.inference._settings import Endpoint
 
-__all__ = ["Dispatcher", "Lane", "PrefixRoutes", "ServerPool", "ServerReport"]
+__all__ = ["Dispatcher", "Lane", "LaneState", "PrefixRoutes", "ServerPool", "ServerReport"]
+
+
+class LaneState(enum.StrEnum):
+    """Where a lane is: serving, then dropped (the dispatcher gave its server up) or finished (the
+    run ended while it served)."""
+
+    SERVING = "serving"
+    DROPPED = "dropped"
+    FINISHED = "finished"
 
 
 class Lane:
@@ -54,7 +64,7 @@ class Lane:
         self.endpoint = endpoint
         self.concurrency = concurrency
         self.recoverable = recoverable
-        self.state = "serving"  # then "dropped", or "finished" when the run ended
+        self.state = LaneState.SERVING
         self.reason = ""
         self.dropped = threading.Event()
         self.rows = 0
@@ -137,7 +147,7 @@ class ServerPool:
             self._pending.pop(name, None)
             self.lost[name] = reason
             for lane in self.lanes:
-                if lane.name == name and lane.state == "serving":
+                if lane.name == name and lane.state is LaneState.SERVING:
                     self._drop_locked(lane, reason)
         self._notify()
 
@@ -145,7 +155,7 @@ class ServerPool:
         """Stop sending requests to ``lane``; its session is told (``lane.dropped``) and counts as
         pending until it relaunches or gives up. Idempotent."""
         with self._lock:
-            if lane.state != "serving":
+            if lane.state is not LaneState.SERVING:
                 return
             self._drop_locked(lane, reason)
             if not lane.recoverable:
@@ -155,7 +165,7 @@ class ServerPool:
         self._notify()
 
     def _drop_locked(self, lane: Lane, reason: str) -> None:
-        lane.state, lane.reason, lane.ended = "dropped", reason, time.monotonic()
+        lane.state, lane.reason, lane.ended = LaneState.DROPPED, reason, time.monotonic()
         lane.dropped.set()
 
     def close(self) -> None:
@@ -164,8 +174,8 @@ class ServerPool:
             self.closed = True
             self._pending.clear()
             for lane in self.lanes:
-                if lane.state == "serving":
-                    lane.state, lane.ended = "finished", time.monotonic()
+                if lane.state is LaneState.SERVING:
+                    lane.state, lane.ended = LaneState.FINISHED, time.monotonic()
                 lane.dropped.set()  # wakes the sessions
         self._notify()
 
@@ -173,7 +183,7 @@ class ServerPool:
 
     def serving(self) -> list[Lane]:
         with self._lock:
-            return [lane for lane in self.lanes if lane.state == "serving"]
+            return [lane for lane in self.lanes if lane.state is LaneState.SERVING]
 
     def exhausted(self) -> bool:
         """Whether no server serves and no session is bringing one (back)."""
@@ -181,14 +191,14 @@ class ServerPool:
             return self._exhausted_locked()
 
     def _exhausted_locked(self) -> bool:
-        return not self._pending and not any(lane.state == "serving" for lane in self.lanes)
+        return not self._pending and not any(lane.state is LaneState.SERVING for lane in self.lanes)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until a server serves (True) or none can (False: every session gave up)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._changed:
             while True:
-                if any(lane.state == "serving" for lane in self.lanes):
+                if any(lane.state is LaneState.SERVING for lane in self.lanes):
                     return True
                 if self._exhausted_locked() or self.closed:
                     return False
@@ -262,8 +272,8 @@ class ServerPool:
             prompt = sum(lane.prompt_tokens for lane in mine)
             if name in lost:
                 state = "lost" if mine else "never ready"
-            elif any(lane.state in ("serving", "finished") for lane in mine):
-                state = mine[-1].state
+            elif any(lane.state is not LaneState.DROPPED for lane in mine):
+                state = str(mine[-1].state)
             else:
                 state = pending.get(name) or ("stopped" if mine else "not started")
             out.append(ServerReport(
@@ -459,7 +469,7 @@ class Dispatcher:
                 self._opening.add(task)
                 task.add_done_callback(self._opening.discard)
         for slot in self._slots.values():
-            if slot.live and slot.lane.state != "serving":
+            if slot.live and slot.lane.state is not LaneState.SERVING:
                 slot.live = False
             if not slot.live and slot.waiting:
                 self._shared.extendleft(reversed(slot.waiting))  # they waited longest

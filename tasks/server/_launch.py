@@ -31,6 +31,7 @@ import httpx
 from tasks import http
 from tasks.files import open_below
 from tasks.hygiene import clean_gpus
+from tasks.poll import Backoff
 from tasks.procs import ProcessIdentity, group_pids, live_pids, same_process, terminate_group
 from tasks.server import _remote as server_remote
 from tasks.server._config import (
@@ -379,10 +380,9 @@ def _await_ready(
 ) -> None:
     """Poll until ready, exit or deadline. Raises LaunchFailed (after killing the group on timeout)."""
     start = time.monotonic()
-    deadline = start + deadline_s
+    backoff = Backoff(deadline_s, 0.05, 1.0, factor=1.5)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     offset = 0
-    delay = 0.05
     last_phase = ""
     with http.client(headers=headers, trust_env=False) as client:
         while True:
@@ -398,11 +398,10 @@ def _await_ready(
                         on_progress(handle.progress)
             if not handle.is_alive():
                 _raise_exited(handle)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if backoff.left <= 0:
                 _raise_timeout(handle, deadline_s)
             try:
-                timeout = httpx.Timeout(min(health_timeout_s, max(remaining, 0.1)), connect=1.0)
+                timeout = httpx.Timeout(min(health_timeout_s, max(backoff.left, 0.1)), connect=1.0)
                 r = client.get(handle.url + "/health_generate", timeout=timeout)
                 # A 200 counts only if our process is alive and is the one holding the port.
                 if r.status_code == 200 and handle.is_alive() and _holds_port(handle, cfg):
@@ -415,8 +414,7 @@ def _await_ready(
                     return
             except httpx.TransportError:
                 pass  # connection refused while weights load; timeouts while warming up
-            _wait_exit(handle, min(delay, max(deadline - time.monotonic(), 0.0)))
-            delay = min(delay * 1.5, 1.0)
+            backoff.wait(lambda step: _wait_exit(handle, step))  # returns early when the server exits
 
 
 

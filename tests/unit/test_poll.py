@@ -37,3 +37,11 @@ def test_poll_until_checks_first_and_reports_the_outcome() -> None:
     started = time.monotonic()
     assert poll_until(lambda: False, 0.2, 0.05, 0.05) is False
     assert time.monotonic() - started >= 0.2  # it looked until the deadline
+
+
+def test_a_slower_growth_is_kept_to_its_factor() -> None:
+    waits: list[float] = []
+    backoff = Backoff(timeout_s=60.0, first_s=0.4, max_s=1.0, factor=1.5)
+    for _ in range(4):
+        backoff.wait(waits.append)
+    assert [round(w, 3) for w in waits] == [0.4, 0.6, 0.9, 1.0]
