@@ -247,7 +247,6 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
     becomes ready or is lost is reported and the run goes on with the others."""
     server = _Server(ctx)
     server.life.move(Move.START)
-    left = ""
     try:
         while not server.life.phase.terminal:
             _serve_once(server, name, pool, closing)
