@@ -191,8 +191,8 @@ class RunSettings(BaseModel):
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunSettings:
         """The run settings among ``values`` (argparse's namespace, the flow's parameters); other
-        keys and None values are ignored."""
-        return cls(**{k: values[k] for k in cls.model_fields if values.get(k) is not None})
+        keys are ignored, and None values as in the constructor."""
+        return cls(**{k: values[k] for k in cls.model_fields if k in values})
 
     def as_kwargs(self) -> dict[str, Any]:
         """The set settings as keyword arguments of the flow (lists where the flow takes several)."""

@@ -21,6 +21,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,13 +116,13 @@ def kill_group(target: str | Target, pgid: int, grace_s: float, leader_first_s: 
     much of ``grace_s`` to exit (as tasks.procs.terminate_group does locally).
     """
     t = parse_target(target)
-    grace = Backoff(grace_s, 0.0, 0.0)  # only its deadline: each poll below has its own waits
+    deadline = time.monotonic() + grace_s
     if leader_first_s > 0:
         run_command(t, ["kill", "-TERM", "--", str(pgid)], timeout_s=_CMD_TIMEOUT_S)
-        if _group_gone(t, pgid, min(leader_first_s, grace.left)):
+        if _group_gone(t, pgid, min(leader_first_s, grace_s)):
             return
     run_command(t, ["kill", "-TERM", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
-    if not _group_gone(t, pgid, grace.left):
+    if not _group_gone(t, pgid, max(0.0, deadline - time.monotonic())):
         run_command(t, ["kill", "-KILL", "--", f"-{pgid}"], timeout_s=_CMD_TIMEOUT_S)
 
 
