@@ -51,7 +51,7 @@ from tasks.config import (
     load_partition,
     project_root,
 )
-from tasks.inference import ServerReport
+from tasks.inference import RunLedger, ServerReport
 from tasks.shards import OutputDir, OutputLocked
 
 if TYPE_CHECKING:
@@ -204,6 +204,10 @@ def main(argv: list[str]) -> int:
         print(f"completed: {result['rows']} rows in {result['out_dir']}")
         for line in server_lines(result.get("servers") or []):
             print(line)
+        ledger = RunLedger.from_dict(result.get("ledger"))
+        if ledger is not None:
+            print("GPU-time ledger:")
+            print("\n".join(ledger.text_lines()))
         print(verdict_line(result["validation"], Path(result["out_dir"])))
         if result.get("latest"):
             print(f"latest -> {result['out_dir']}")

@@ -34,8 +34,11 @@ import httpx
 from datagen._cli import EXIT_FAILED, EXIT_OK, exit_codes, parse_args, reports_errors
 from datagen._prefect_api import PrefectApi
 from flows import runrecord
+from tasks.inference import RunLedger
 from tasks.server import FileStore, FractionMemory, default_file, list_remembered
 from tasks.shards import OutputDir
+
+LAST_RUN = "_last_run.json"  # flows.summary.LAST_RUN: written by the run (its summary), read here
 
 
 def status(out: Path) -> dict[str, Any]:
@@ -72,7 +75,18 @@ def status(out: Path) -> dict[str, Any]:
         }
     return {"out_dir": str(out), "shard_size": manifest.get("shard_size"), "datasets": datasets,
             "lock_holder": od.lock_holder(), "stale_runs": stale_runs(out), "validation": _validation(out, datasets),
-            **_fractions()}
+            "last_run": _last_run(od), **_fractions()}
+
+
+def _last_run(od: OutputDir) -> dict[str, Any] | None:
+    """The last run's summary as it left it in the output (``_last_run.json``: verdict, rows, the
+    GPU-time ledger), None when no run wrote one; ``{"error"}`` when it cannot be read."""
+    try:
+        data = od.read_file(LAST_RUN)
+        doc = json.loads(data) if data is not None else None
+    except (OSError, ValueError) as exc:
+        return {"error": f"{LAST_RUN} unreadable: {exc}"}
+    return doc if isinstance(doc, dict) else None
 
 
 STALE_STATES = ("RUNNING", "PENDING", "CANCELLING")
@@ -192,6 +206,7 @@ def render(doc: dict[str, Any]) -> str:
                      f"{r['host']}, pid {r['pid']}) is gone; the zombie automation marks it Crashed once its "
                      f"heartbeats are overdue; end it now: datagen status {doc['out_dir']} --end-stale")
     lines.append(f"validation: {_render_validation(doc['validation'], doc['out_dir'])}")
+    lines.extend(_render_last_run(doc.get("last_run")))
     lines.extend(render_fractions(doc["learned_fractions"]))
     lines.extend(_fractions_note(doc.get("fractions_from", "")))
     return "\n".join(lines)
@@ -211,6 +226,19 @@ def _render_validation(v: dict[str, Any] | None, out: str) -> str:
     if v.get("stale"):
         return f"out of date (last report: {when}, before the rows changed): run `datagen validate {out}`"
     return when
+
+
+def _render_last_run(run: dict[str, Any] | None) -> list[str]:
+    if run is None:
+        return ["last run: none recorded in this output"]
+    if "error" in run:
+        return [f"last run: {run['error']}"]
+    head = (f"last run: {run.get('verdict')}, {run.get('rows_new', 0):,} rows generated in "
+            f"{run.get('wall_s', 0.0):,.0f} s")
+    ledger = RunLedger.from_dict(run.get("ledger"))
+    if ledger is None:
+        return [head + " (no server ran)"]
+    return [head + "; GPU-time ledger:", *ledger.text_lines("  ")]
 
 
 def _fractions_note(source: str) -> list[str]:

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-decode-ms-per-step", type=float, default=2.0,
                    help="decode time per step of the running batch (milliseconds)")
     e.add_argument("--emu-output-tokens", type=int, default=96, help="mean output length (tokens)")
+    e.add_argument("--emu-output-tokens-if", action="append", metavar="TEXT=N", default=None,
+                   help="prompts holding TEXT have a mean output length of N tokens (repeatable; the first "
+                        "match wins): a test's long rows")
     e.add_argument("--emu-output-sigma", type=float, default=0.0,
                    help="log-normal sigma of output lengths (same mean; 0: uniform 0.5x..1.5x)")
     e.add_argument("--emu-seed", type=int, default=0, help="seed of the emulated outputs and faults")

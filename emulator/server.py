@@ -199,6 +199,16 @@ def _length_error(st: ServerState, n_prompt: int, max_new_tokens: int | None) ->
     return None
 
 
+def _mean_tokens(st: ServerState, prompt: str | None) -> int:
+    """The mean output length: ``--emu-output-tokens``, or the ``--emu-output-tokens-if`` length of
+    the first text the prompt holds (a test's long rows)."""
+    for rule in st.args.emu_output_tokens_if or []:
+        text, _, n = rule.rpartition("=")
+        if prompt is not None and text and text in prompt:
+            return int(n)
+    return int(st.args.emu_output_tokens)
+
+
 def _make_req(
     st: ServerState, prompt: str | None, ids: list[int] | None, sp: dict[str, Any], rid: str | None, sample: int
 ) -> Req | web.Response:
@@ -235,13 +245,14 @@ def _make_req(
         repr((key, seed_parts)),
         fmt,
         seed=int(st.args.emu_seed),
-        mean_tokens=int(st.args.emu_output_tokens),
+        mean_tokens=_mean_tokens(st, prompt),
         length_sigma=float(st.args.emu_output_sigma),
         max_new_tokens=mnt,
         stop=[s for s in stop if isinstance(s, str)],
         eos_token_id=st.model.eos_token_id,
         opened=opened,
         closed=closed,
+        ignore_eos=bool(sp.get("ignore_eos")),
     )
     if sp.get("skip_special_tokens", True):
         out = skip_special_tokens(out)

@@ -144,6 +144,7 @@ def generate(
     opened: bool = False,
     closed: bool = False,
     length_sigma: float = 0.0,
+    ignore_eos: bool = False,
 ) -> Output:
     """The deterministic answer to ``prompt_key``.
 
@@ -159,6 +160,8 @@ def generate(
         closed: the prompt holds an empty think block, so the output is content only.
         length_sigma: 0: lengths uniform in 0.5x..1.5x the mean; above 0: log-normal with this
             sigma and the same mean, a long tail of outputs as reasoning models write them.
+        ignore_eos: SGLang's sampling parameter: the answer does not end on its own, it runs to
+            ``max_new_tokens`` (finish ``length``; stop strings still end it).
     """
     rng = random.Random(_seed((prompt_key, seed)))
     if length_sigma > 0:
@@ -183,6 +186,8 @@ def generate(
             tokens += TOKEN_RE.findall(fmt.content_suffix)
     else:
         tokens += _sentence_tokens(rng, total, _CONTENT_OPENERS, "")
+    if ignore_eos and len(tokens) <= max_new_tokens < 1 << 20:
+        tokens += _sentence_tokens(rng, max_new_tokens + 1 - len(tokens), _CONTENT_OPENERS, " ")
     finish: dict[str, object] = {"type": "stop", "matched": eos_token_id}
     if stop:
         text = "".join(tokens)

@@ -104,6 +104,7 @@ def datagen(
     ctx = RunContext.build(cfg, prepare_run(cfg), _flow_run_id())
     progress = progress_of(ctx)
     outcome = Outcome(ctx, progress, fleet := Fleet(ctx, total_rows=sum(progress.datasets.values())))
+    progress.ledger = fleet.ledger  # goodput, live in the progress line and artifact
     with opened_output(ctx, progress), published(outcome):
         datasets = open_datasets(ctx)  # every guard, once: a changed input stops the run before a GPU is touched
         if not all(d.complete for d in datasets.values()):  # a complete output touches no GPU

@@ -33,22 +33,35 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
+from prefect.events import emit_event
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
 from prefect.utilities.annotations import quote
 
 from flows import runrecord
 from flows.lifecycle import Drop, DropKind, Lifecycle, Move, Phase
+from flows.progress import fmt_duration
 from flows.retry import health_check, hygiene, identify_server, launch_server
 from tasks.artifacts import artifact_key
-from tasks.inference import Endpoint, ServerPool, ServerReport
+from tasks.inference import (
+    Bucket,
+    Capacity,
+    Endpoint,
+    Ledger,
+    LedgerView,
+    RunLedger,
+    ServerPool,
+    ServerReport,
+    measure_capacity,
+    probe_prompts,
+)
 from tasks.poll import Backoff, poll_until
 from tasks.run import RunContext
 from tasks.server import HangWatchdog, ServerHandle
 from tasks.server.task import adopt_server, diagnose_server, plan_key, stop
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
-__all__ = ["RELAUNCHED_TAG", "Fleet", "ServerResult", "serve_server"]
+__all__ = ["RELAUNCHED_TAG", "Fleet", "GoodputWatch", "ServerResult", "serve_server"]
 
 RELAUNCHED_TAG = "relaunched"  # on the flow run: the run list tells a relaunched run from a clean one
 
@@ -68,6 +81,7 @@ class ServerResult:
         gpu_seconds: GPUs x seconds the lifecycle held them (hygiene to stop); 0 for a shared server.
         error: why it never became ready or was refused, else None.
         left_running: what could not be stopped ("" when all was).
+        ledger: where its GPU-time went (tasks/inference/_ledger.py), None when it crashed.
     """
 
     name: str
@@ -76,6 +90,7 @@ class ServerResult:
     gpu_seconds: float = 0.0
     error: BaseException | None = None
     left_running: str = ""
+    ledger: LedgerView | None = None
 
 
 class Fleet:
@@ -100,6 +115,9 @@ class Fleet:
                 self.members.append((slot.label(server_ctx.gpus), server_ctx))
         else:
             self.members = [(url, ctx.for_server(cfg.for_url(url))) for url in cfg.server_urls]
+        # one GPU-time ledger per server lifecycle (a shared server's counts its seconds, no GPUs)
+        self.ledgers = {name: Ledger(len(member.gpus) if member.launches else 0) for name, member in self.members}
+        self.goodput = GoodputWatch(cfg.goodput_warn_below, cfg.goodput_window_s)
         self._futures: list[PrefectFuture[ServerResult]] = []
         self._artifacts: dict[str, UUID] = {}
         self._reporter: threading.Thread | None = None
@@ -109,7 +127,7 @@ class Fleet:
             self.pool.expect(name)
         for name, server_ctx in self.members:
             self._futures.append(serve_server.submit(server_ctx, name, self.pool,
-                                                     self.closing))
+                                                     self.closing, self.ledgers[name]))
         context = contextvars.copy_context()
         self._reporter = threading.Thread(target=context.run, args=(self._report_loop,),
                                           name="datagen-fleet-report", daemon=True)
@@ -152,6 +170,10 @@ class Fleet:
         """The GPUs of the run's launched servers (at least 1)."""
         return max(1, sum(len(member.gpus) for _, member in self.members))
 
+    def ledger(self) -> RunLedger:
+        """Where the run's GPU-time went so far, per server and in all (tasks/inference/_ledger.py)."""
+        return RunLedger({name: ledger.view() for name, ledger in self.ledgers.items()})
+
     def report(self) -> list[ServerReport]:
         """Per server: rows, tokens/s, launches, state, why it was dropped or lost, and whether it
         could not be stopped."""
@@ -162,8 +184,24 @@ class Fleet:
     # -- artifacts ---------------------------------------------------------------------------------
 
     def _report_loop(self) -> None:
-        while not self.closing.wait(REPORT_EVERY_S):
-            self._publish(final=False)
+        """Publish the servers' progress every REPORT_EVERY_S; watch goodput more often when its
+        window is short (a quarter of it, at least every half second)."""
+        every = min(REPORT_EVERY_S, max(0.5, self.goodput.window_s / 4)) if self.goodput.on else REPORT_EVERY_S
+        published = time.monotonic()
+        while not self.closing.wait(every):
+            self._watch_goodput()
+            if time.monotonic() - published >= REPORT_EVERY_S - 1e-3:
+                published = time.monotonic()
+                self._publish(final=False)
+
+    def _watch_goodput(self) -> None:
+        """Warn (the log, and a ``datagen.goodput.low`` event `datagen up`'s automation can notify on)
+        once goodput has stayed below ``run.goodput_warn_below`` for ``run.goodput_window_s``."""
+        ledger = self.ledger()
+        warning = self.goodput.observe(ledger)
+        if warning:
+            get_run_logger().warning("%s", warning)
+            _emit_goodput_low(self.ctx.run_id, self.ctx.cfg.name, warning, ledger)
 
     def _publish(self, final: bool) -> None:
         logger = get_run_logger()
@@ -182,8 +220,12 @@ class Fleet:
                     update_progress_artifact(artifact, pct, description=text)
             except Exception as exc:  # observability must never fail the run
                 logger.warning("server progress artifact not updated: %s", exc)
-        summary = "; ".join(f"{r.server} {r.rows} rows {r.tokens_per_s:.0f} tok/s {r.state}" for r in rows)
-        logger.info("servers%s: %s", " (final)" if final else "", summary)
+        ledger = self.ledger()
+        good = {name: f" goodput {100 * g:.0f}%" for name, v in ledger.servers.items()
+                if (g := v.goodput) is not None}
+        summary = "; ".join(f"{r.server} {r.rows} rows {r.tokens_per_s:.0f} tok/s {r.state}{good.get(r.server, '')}"
+                            for r in rows)
+        logger.info("servers%s: %s; %s", " (final)" if final else "", summary, ledger.headline())
         if not final:
             return
         lines = [f"# Servers of {partition}", "", "| server | state | rows | tokens/s | launches | dropped / lost |",
@@ -198,6 +240,63 @@ class Fleet:
             logger.warning("servers artifact not created: %s", exc)
 
 
+class GoodputWatch:
+    """Whether a run's goodput has stayed low: ``observe`` the run's ledger now and then; goodput
+    over the last ``window_s`` (the change of the ledger since, so the launch weighs only while it
+    is in the window) below ``below`` gives one warning naming the biggest loss, again only after it
+    rose above once. ``below`` 0: never."""
+
+    def __init__(self, below: float, window_s: float) -> None:
+        self.below, self.window_s = below, window_s
+        self._seen: list[tuple[float, RunLedger]] = []
+        self._warned = False
+
+    @property
+    def on(self) -> bool:
+        return self.below > 0 and self.window_s > 0
+
+    def observe(self, ledger: RunLedger, now: float | None = None) -> str | None:
+        """The warning to give now, if any."""
+        if not self.on:
+            return None
+        now = time.monotonic() if now is None else now
+        self._seen.append((now, ledger))
+        while len(self._seen) > 1 and now - self._seen[1][0] >= self.window_s:
+            self._seen.pop(0)
+        then, earlier = self._seen[0]
+        if now - then < self.window_s:
+            return None  # not a whole window yet
+        window = RunLedger({name: v.minus(earlier.servers[name]) if name in earlier.servers else v
+                            for name, v in ledger.servers.items()})
+        good = window.goodput
+        if good is None:
+            return None
+        if good >= self.below:
+            self._warned = False
+            return None
+        if self._warned:
+            return None
+        self._warned = True
+        worst = window.biggest_loss()
+        where = (f"; the biggest loss is {Bucket(worst[0]).label}: {100 * worst[1] / window.total_gpu_s:.0f}% "
+                 "of the GPU-time" if worst and window.total_gpu_s > 0 else "")
+        return (f"goodput {100 * good:.0f}% over the last {fmt_duration(now - then)}, below "
+                f"run.goodput_warn_below {100 * self.below:.0f}%{where}")
+
+
+def _emit_goodput_low(run_id: str | None, partition: str, warning: str, ledger: RunLedger) -> None:
+    """The ``datagen.goodput.low`` event of the flow run (never raises: observability)."""
+    if not run_id:
+        return
+    worst = ledger.biggest_loss()
+    try:
+        emit_event("datagen.goodput.low", resource={"prefect.resource.id": f"prefect.flow-run.{run_id}"},
+                   payload={"message": warning, "partition": partition, "goodput": ledger.goodput,
+                            "biggest_loss": worst[0] if worst else None})
+    except Exception as exc:
+        get_run_logger().warning("goodput event not emitted: %s", exc)
+
+
 def _lifecycle_name() -> str:
     return f"server-{task_run.parameters['name']}"
 
@@ -205,9 +304,11 @@ def _lifecycle_name() -> str:
 class _Server:
     """The state of one lifecycle: its phase (``life``), the server now running (if any), GPU time held."""
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, ledger: Ledger | None = None) -> None:
         self.ctx = ctx
         self.life = Lifecycle(budget=ctx.cfg.max_relaunches if ctx.launches else 0)
+        self.ledger = ledger if ledger is not None else Ledger(len(ctx.gpus) if ctx.launches else 0)
+        self.capacity: Capacity | None = None
         self.handle: ServerHandle | None = None
         self.fingerprint = ctx.fingerprint
         self.started: float | None = None
@@ -234,24 +335,29 @@ class _Server:
         return HangWatchdog(self.handle, self.ctx.cfg.hang_timeout_s, get_run_logger())
 
     def result(self, name: str, left_running: str) -> ServerResult:
-        held = time.monotonic() - self.started if self.ctx.launches and self.started is not None else 0.0
+        view = self.ledger.view()
+        held = view.total_s if self.ctx.launches else 0.0  # hygiene to the end of the stop
         return ServerResult(name, self.life.phase, self.life.relaunches, held * len(self.ctx.gpus), self.error,
-                            left_running)
+                            left_running, view)
 
 
 @task(name="serve-server", task_run_name=_lifecycle_name, cache_policy=NONE)
-def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threading.Event) -> ServerResult:
+def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threading.Event,
+                 ledger: Ledger | None = None) -> ServerResult:
     """One server's lifecycle for the whole run (flows.lifecycle): serve once, again after each
     relaunch, until it reaches a terminal phase; then stop. A shared server (``run.server_url``)
     is identified, checked and served only. Never raises for the server's sake: a server that never
-    becomes ready or is lost is reported and the run goes on with the others."""
-    server = _Server(ctx)
+    becomes ready or is lost is reported and the run goes on with the others. ``ledger`` counts
+    its GPU-time from the start of its hygiene to the end of its stop (None: one of its own)."""
+    server = _Server(ctx, ledger)
     server.life.move(Move.START)
     try:
         while not server.life.phase.terminal:
             _serve_once(server, name, pool, closing)
     finally:
+        server.ledger.step(Bucket.STOP)
         left = _end(server, name)
+        server.ledger.end()
         get_run_logger().info("server %s lifecycle: %s", name, server.life.path())
     return server.result(name, left)
 
@@ -265,7 +371,8 @@ def _serve_once(server: _Server, name: str, pool: ServerPool, closing: threading
         _bring_up_failed(server, name, exc, pool, closing)
         return
     try:
-        lane = pool.add(name, server.endpoint, recoverable=ctx.launches)
+        lane = pool.add(name, server.endpoint, recoverable=ctx.launches, ledger=server.ledger,
+                        slots=server.capacity.slots if server.capacity is not None else None)
     except ValueError as exc:  # it would generate other rows than the run's other servers
         pool.give_up(name, f"refused: {exc}")
         logger.error("server %s refused (skipped): %s", name, exc)
@@ -318,13 +425,16 @@ def _relaunch_or_lose(server: _Server, name: str, reason: str, pool: ServerPool,
            else "not relaunched")
     get_run_logger().warning("server %s dropped: %s; rows done are safe on disk; %s", name, reason, nxt)
     if not ctx.launches:
+        server.ledger.step(Bucket.STOP)
         life.move(Move.GIVE_UP)  # someone else's server: not ours to relaunch
         return
     if not life.budget_left:
+        server.ledger.step(Bucket.STOP)
         pool.give_up(name, f"{drop}; relaunch budget spent ({life.budget})")
         life.move(Move.GIVE_UP)
         return
     if not _wait_reachable(ctx, closing):
+        server.ledger.step(Bucket.STOP)
         waited = f"{ctx.cfg.host_wait_s:g} s"
         pool.give_up(name, f"host unreachable for {waited}" if drop.kind is DropKind.HOST_UNREACHABLE
                      else f"{drop}; then its host was unreachable for {waited}")
@@ -337,15 +447,21 @@ def _relaunch_or_lose(server: _Server, name: str, reason: str, pool: ServerPool,
 def _bring_up(server: _Server) -> None:
     """The lifecycle's first stages: hygiene -> launch -> health (a shared server: identify ->
     health). A relaunch stops the dropped server first, and after a runtime OOM starts lower."""
-    ctx, life = server.ctx, server.life
+    ctx, life, ledger = server.ctx, server.life, server.ledger
     if server.started is None:
         server.started = time.monotonic()
+    # a relaunch's bring-up is all the relaunch's time in the ledger; the first is step by step
+    again = life.relaunches > 0 or life.phase is Phase.RELAUNCHING
+    steps = (lambda b: ledger.step(Bucket.RELAUNCH)) if again else ledger.step
     if not ctx.launches:
+        steps(Bucket.HEALTH)
         server.fingerprint = identify_server(ctx)
     elif life.phase is Phase.STARTING and server.handle is None and _adopted(server):
+        _probe(server)
         return  # a dead run's server, kept by its guardian for this run: no hygiene, no launch
     else:
         phase, reason = "before-launch", ""
+        steps(Bucket.HYGIENE)
         if server.handle is not None:  # the dropped server, to replace
             _tag_run(ctx.run_id, RELAUNCHED_TAG)
             drop = life.drop
@@ -354,11 +470,36 @@ def _bring_up(server: _Server) -> None:
             _stop(server)
             phase = f"relaunch-{life.relaunches}"
         hygiene(ctx, phase)
+        steps(Bucket.LAUNCH)
         server.handle = launch_server(ctx, attempt=life.relaunches + 1, reason=reason,
                                       on_started=_record_started(server))
         server.unowned = None  # the handle owns it now
         _record_ready(server)
+    steps(Bucket.HEALTH)
     health_check(ctx, server.endpoint)
+    _probe(server)
+
+
+def _probe(server: _Server) -> None:
+    """Measure the server's capacity (tasks/inference/_capacity.py) on the run's prompts, unless
+    ``run.capacity_probe_tokens`` is 0; a probe that fails leaves the capacity unknown (goodput is
+    then not given) and the run goes on."""
+    ctx = server.ctx
+    tokens = ctx.cfg.capacity_probe_tokens
+    if tokens <= 0:
+        return
+    logger = get_run_logger()
+    endpoint = server.endpoint
+    try:
+        prompts = probe_prompts(ctx.cfg.datasets, ctx.cfg.model_path, 64)
+        cap = measure_capacity(endpoint, prompts, tokens=tokens)
+    except Exception as exc:
+        logger.warning("capacity probe of %s failed (%s): its goodput is not measured", endpoint.url, _short(exc))
+        return
+    server.capacity = server.ledger.capacity = cap
+    others = f", {cap.others_running} other request(s) running on it" if cap.others_running else ""
+    logger.info("capacity of %s: %.0f output tokens/s at full batch (%d slots x %d tokens in %.1f s%s)",
+                endpoint.url, cap.tokens_per_s, cap.slots, tokens, cap.seconds, others)
 
 
 def _record_ready(server: _Server) -> None:

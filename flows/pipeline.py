@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from flows.fleet import Fleet
 from flows.gpulimit import gpu_slots, release_lease, slot_holders
 from flows.heartbeats import check_heartbeats
 from flows.progress import Progress
-from flows.summary import RunSummary
+from flows.summary import LAST_RUN, RunSummary
 from tasks.config import state_dir
 from tasks.prompts import iter_dataset
 from tasks.run import RunContext
@@ -47,12 +48,14 @@ class Outcome:
     fleet: Fleet
     validation: dict[str, Any] | None = None
     latest: str | None = None
+    ledger: dict[str, Any] | None = None  # the run's GPU-time ledger (RunLedger.to_dict), once published
 
     def result(self) -> dict[str, Any]:
         assert self.validation is not None
         return {"partition": self.ctx.cfg.name, "out_dir": str(self.ctx.plan.out_dir), "latest": self.latest,
                 "shards": self.progress.done_shards, "rows": self.progress.rows,
-                "validation": self.validation["summary"], "servers": [r.to_dict() for r in self.fleet.report()]}
+                "validation": self.validation["summary"], "servers": [r.to_dict() for r in self.fleet.report()],
+                "ledger": self.ledger}
 
 
 def progress_of(ctx: RunContext) -> Progress:
@@ -148,13 +151,21 @@ def _finish(outcome: Outcome, error: BaseException | None) -> None:
                             gpus=gpus, held_s=sum(r.gpu_seconds for r in fleet.results) / gpus if ctx.launches else None,
                             relaunches=sum(r.relaunches for r in fleet.results),
                             max_relaunches=ctx.cfg.max_relaunches * max(1, len(fleet.members)),
-                            price=ctx.cfg.price_per_gpu_hour, reason=reason)
+                            price=ctx.cfg.price_per_gpu_hour, reason=reason, ledger=fleet.ledger())
+    outcome.ledger = summary.ledger
     try:
         runrecord.summarised(ctx.run_id, summary.to_dict())
         summary.publish()
     except Exception as exc:  # observability must never fail the run (nor hide its error)
         logger.warning("run summary artifact not created: %s", exc)
+    try:
+        OutputDir(ctx.plan.out_dir).write_file(LAST_RUN, json.dumps(summary.to_dict(), indent=1).encode())
+    except Exception as exc:
+        logger.warning("%s not written in %s: %s", LAST_RUN, ctx.plan.out_dir, exc)
     logger.info("%s", summary.headline())
+    if summary.ledger is not None:
+        logger.info("GPU-time ledger: %s", "; ".join(
+            f"{b} {s:,.1f} s" for b, s in summary.ledger["gpu_seconds"].items() if s) + f"; {summary.ledger_headline()}")
 
 
 def _record_plan(ctx: RunContext) -> None:

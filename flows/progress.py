@@ -15,7 +15,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,7 +27,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 
 from flows.eta import Eta, EtaInputs
 from tasks.artifacts import artifact_key
-from tasks.inference import DEFAULT_CONCURRENCY, ShardProgress
+from tasks.inference import DEFAULT_CONCURRENCY, RunLedger, ShardProgress
 
 __all__ = ["LABEL_EVERY_S", "DatasetCounts", "Progress", "artifact_key", "fmt_duration"]
 
@@ -99,6 +99,8 @@ class Progress:
     _labelled: float = 0.0  # when the run's progress label was last set (monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     samples: int = 1
+    # the run's GPU-time ledger now (flows.fleet.Fleet.ledger): its goodput joins the running line
+    ledger: Callable[[], RunLedger] | None = None
 
     def __post_init__(self) -> None:
         self.counts = {name: DatasetCounts(n * self.samples, max(1, math.ceil(n / self.shard_size)))
@@ -195,7 +197,8 @@ class Progress:
         rate = self.running_rate()
         eta = ("all shards committed" if self.done_shards >= self.total_shards
                else f"ETA {fmt_duration(self.remaining_s())}")
-        return f"{self.partition}: {counts}, {rate:,.1f} rows/s, {tokens}, {eta}{where}"
+        good = f", {self.ledger().headline()}" if self.ledger is not None else ""
+        return f"{self.partition}: {counts}, {rate:,.1f} rows/s, {tokens}, {eta}{where}{good}"
 
     def shard_committed(self, p: ShardProgress) -> None:
         """Count one committed shard, log the progress line and update the artifact."""

@@ -2,8 +2,11 @@
 partition (key ``run-summary-<partition>``), written whether the run passed or failed.
 
 Rows per dataset, tokens in and out, throughput, wall time, GPU-hours (the server's GPUs times how
-long the run held them, launch to stop), relaunches and the verdict; with ``[run]
-price_per_gpu_hour`` set, the cost of the run and per 1,000 rows.
+long the run held them, hygiene to stop), relaunches and the verdict; with ``[run]
+price_per_gpu_hour`` set, the cost of the run and per 1,000 rows. Then the GPU-time ledger
+(tasks/inference/_ledger.py): goodput, each server's measured capacity, and every GPU-second in one
+bucket, as a table with a bar per bucket. The summary is also kept in the output as
+``_last_run.json`` (``datagen status OUT`` prints its ledger).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.progress import Progress, fmt_duration
 from tasks.artifacts import artifact_key
+from tasks.inference import RunLedger
 from tasks.validation import md_text
 
-__all__ = ["RunSummary"]
+__all__ = ["LAST_RUN", "RunSummary"]
+
+LAST_RUN = "_last_run.json"  # the last run's summary, in the output
 
 
 @dataclass
@@ -42,18 +48,20 @@ class RunSummary:
     price_per_gpu_hour: float | None = None
     reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    ledger: dict[str, Any] | None = None  # RunLedger.to_dict(); None: no server ran
 
     @classmethod
     def of(cls, progress: Progress, *, verdict: str, out_dir: str, latest: str | None, gpus: int,
            held_s: float | None, relaunches: int, max_relaunches: int, price: float | None,
-           reason: str = "") -> RunSummary:
+           reason: str = "", ledger: RunLedger | None = None) -> RunSummary:
         """The summary of a run from its progress counts and its server's hold time."""
         return cls(partition=progress.partition, verdict=verdict, out_dir=out_dir, latest=latest,
                    rows={n: c.rows for n, c in progress.counts.items()}, rows_new=progress.rows_new,
                    prompt_tokens=progress.prompt_tokens, completion_tokens=progress.completion_tokens,
                    wall_s=progress.elapsed_s, gpus=gpus,
                    gpu_hours=None if held_s is None else gpus * held_s / 3600.0, relaunches=relaunches,
-                   max_relaunches=max_relaunches, price_per_gpu_hour=price, reason=reason)
+                   max_relaunches=max_relaunches, price_per_gpu_hour=price, reason=reason,
+                   ledger=ledger.to_dict() if ledger is not None and ledger.total_gpu_s > 0 else None)
 
     @property
     def total_rows(self) -> int:
@@ -85,6 +93,11 @@ class RunSummary:
                  cost=self.cost, cost_per_1k_rows=self.cost_per_1k_rows)
         return d
 
+    def ledger_headline(self) -> str:
+        """The ledger's one line (goodput, capacity, biggest loss); "" without a ledger."""
+        ledger = RunLedger.from_dict(self.ledger)
+        return ledger.headline() if ledger is not None else ""
+
     def headline(self) -> str:
         """One line, verdict first: the artifact's description and the run's last log line."""
         relaunch = f", {self.relaunches} relaunch{'es' if self.relaunches != 1 else ''}"
@@ -112,6 +125,9 @@ class RunSummary:
             per_k = "-" if self.cost_per_1k_rows is None else f"{self.cost_per_1k_rows:,.4f}"
             lines += [f"| cost ({self.price_per_gpu_hour:g} per GPU-hour) | {self.cost:,.4f} |",
                       f"| cost per 1,000 rows | {per_k} |"]
+        ledger = RunLedger.from_dict(self.ledger)
+        if ledger is not None:
+            lines += ["", *ledger.markdown()]
         return "\n".join(lines) + "\n"
 
     def publish(self) -> UUID:
@@ -122,3 +138,4 @@ class RunSummary:
         """
         return create_markdown_artifact(  # type: ignore[return-value]  # sync in a flow run
             self.markdown(), key=artifact_key("run-summary", self.partition), description=self.headline()[:500])
+

@@ -140,6 +140,13 @@ def fraction(value: Any, f: str, key: str) -> float:
     return float(value)
 
 
+def share(value: Any, f: str, key: str) -> float:
+    """A number from 0 to 1, as float (0: the feature it bounds is off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"{f}: {key}: {value!r} is not a share between 0 and 1 (0 turns it off)")
+    return float(value)
+
+
 def opt_str(value: Any, f: str, key: str) -> str | None:
     """None, or a non-empty string."""
     if value is not None and (not isinstance(value, str) or not value):

@@ -29,6 +29,7 @@ from tasks.config._checks import (
     positive_int,
     regenerate_mode,
     resolve_path,
+    share,
     table,
     writable_dir,
 )
@@ -95,7 +96,7 @@ _MODEL_KEYS = {"path", "reasoning_parser"}
 _RUN_KEYS = {"shard_size", "concurrency", "max_relaunches", "hygiene_grace_s", "server_url", "hang_timeout_s",
              "server_grace_s",
              "truncation", "order", "order_window", "dispatch", "host_wait_s", "price_per_gpu_hour",
-             "samples", "regenerate"}
+             "samples", "regenerate", "capacity_probe_tokens", "goodput_warn_below", "goodput_window_s"}
 _TRUNCATION_KEYS = {"retries", "factor", "max_new_tokens"}
 _OUTPUT_KEYS = {"root", "versioned"}
 _SIM_KEYS = {"count", "total_mib", "name", "release_delay_s"}
@@ -221,6 +222,10 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         server_grace_s=nonneg_float(run.get("server_grace_s", SERVER_GRACE_S), f, "run.server_grace_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),
+        capacity_probe_tokens=int_from(0, 1 << 16)(run.get("capacity_probe_tokens", 256), f,
+                                                     "run.capacity_probe_tokens"),
+        goodput_warn_below=share(run.get("goodput_warn_below", 0.3), f, "run.goodput_warn_below"),
+        goodput_window_s=nonneg_float(run.get("goodput_window_s", 900.0), f, "run.goodput_window_s"),
         samples=int_from(1, MAX_SAMPLES)(run.get("samples", 1), f, "run.samples"),
         regenerate=regenerate_mode(run.get("regenerate", "last"), f, "run.regenerate"),
         sampling=sampling,

@@ -142,6 +142,11 @@ class PartitionConfig:
     # how long a server outlives its dead run (a control host's crash), waiting for the next run to adopt it
     server_grace_s: float = SERVER_GRACE_S
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
+    # the capacity probe's new tokens per request after each health check (0: no probe, goodput unknown)
+    capacity_probe_tokens: int = 256
+    # a warning names the biggest loss when goodput over the last goodput_window_s stays below this (0: never)
+    goodput_warn_below: float = 0.3
+    goodput_window_s: float = 900.0
     # mem_fraction_static given for this run (an override): the first launch uses it whatever the
     # tuner remembers; the file's [server] value is only where the tuner starts
     explicit_fraction: float | None = None

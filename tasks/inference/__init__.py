@@ -10,6 +10,7 @@ last or every assistant turn). ``derive_seed`` gives a row's ``sampling_seed``,
 from __future__ import annotations
 
 from tasks.inference._budget import ContextOverflow, TruncationPolicy
+from tasks.inference._capacity import PROBE_RID, measure_capacity, probe_prompts
 from tasks.inference._client import (
     DEFAULT_CONCURRENCY,
     ClientConfig,
@@ -26,6 +27,7 @@ from tasks.inference._client import (
 from tasks.inference._dispatch import Dispatcher, Lane, PrefixRoutes, ServerPool, ServerReport
 from tasks.inference._driver import OpenedDataset, open_dataset, run_dataset, run_dataset_async
 from tasks.inference._identity import IDENTITY_KEYS, external_fingerprint
+from tasks.inference._ledger import Bucket, Capacity, Ledger, LedgerView, Mode, RunLedger, bar
 from tasks.inference._order import ORDERS, prefix_order
 from tasks.inference._provenance import (
     PROVENANCE_COLUMNS,
@@ -42,6 +44,16 @@ from tasks.inference._settings import AUTO, DISPATCHES, REGENERATE_MODES, Endpoi
 
 __all__ = [
     "AUTO",
+    "PROBE_RID",
+    "Bucket",
+    "Capacity",
+    "Ledger",
+    "LedgerView",
+    "Mode",
+    "RunLedger",
+    "bar",
+    "measure_capacity",
+    "probe_prompts",
     "ClientConfig",
     "ClientError",
     "ClientStats",

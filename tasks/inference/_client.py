@@ -45,6 +45,7 @@ __all__ = [
     "PromptTooLong",
     "RequestRejected",
     "ServerGone",
+    "batch_slots",
     "cached_tokens",
     "default_concurrency",
     "server_error_message",
@@ -138,6 +139,8 @@ class GenerateResult:
     attempts: int
     max_new_tokens: int | None = None  # the budget sent for this answer (None: the server's default)
     capped: bool = False  # max_new_tokens was lowered to fit the model's context
+    server_s: float = 0.0  # its share of its server's time (tasks/inference/_ledger.py)
+    ledger: Any = field(default=None, compare=False, repr=False)  # the ledger that counted it
 
 
 @dataclass
@@ -199,15 +202,23 @@ def default_concurrency(server_info: dict[str, Any] | None) -> int:
     SGLang's queue non-empty, so a finished slot is refilled at once rather than after a client
     round trip; capped at 1024 to bound sockets and client memory.
     """
+    mrr = batch_slots(server_info)
+    if mrr is not None:
+        return max(16, min(1024, 2 * mrr))
+    return DEFAULT_CONCURRENCY
+
+
+def batch_slots(server_info: dict[str, Any] | None) -> int | None:
+    """The server's batch slots: ``max_running_requests`` as set at launch, else what its schedulers
+    resolved (``internal_states[*].effective_max_running_requests_per_dp``, summed over DP ranks);
+    None when it says neither."""
     info = server_info or {}
     mrr = info.get("max_running_requests")
     if not (isinstance(mrr, int) and mrr > 0):
         states = info.get("internal_states")
         per_dp = [s.get("effective_max_running_requests_per_dp") for s in states or [] if isinstance(s, dict)]
         mrr = sum(n for n in per_dp if isinstance(n, int) and n > 0) if isinstance(states, list) else None
-    if isinstance(mrr, int) and mrr > 0:
-        return max(16, min(1024, 2 * mrr))
-    return DEFAULT_CONCURRENCY
+    return mrr if isinstance(mrr, int) and mrr > 0 else None
 
 
 class _Transient(Exception):
@@ -296,6 +307,14 @@ class GenerateClient:
         except orjson.JSONDecodeError:
             return None
         return data if isinstance(data, dict) else None
+
+    async def get_text(self, path: str) -> str | None:
+        """GET ``path``; the body as text on 200, None on any other status or a transport error."""
+        try:
+            status, body = await self._request("GET", path)
+        except _Transient:
+            return None
+        return body.decode("utf-8", "replace") if status == 200 else None
 
     async def server_info(self) -> dict[str, Any] | None:
         """``/server_info`` (or the older ``/get_server_info``) without its secrets, None when neither

@@ -38,6 +38,7 @@ from tasks.inference._client import (
     cached_tokens,
     default_concurrency,
 )
+from tasks.inference._ledger import Bucket, Ledger, Mode
 from tasks.inference._settings import Endpoint
 
 __all__ = ["Dispatcher", "Lane", "LaneState", "PrefixRoutes", "ServerPool", "ServerReport"]
@@ -59,11 +60,14 @@ class Lane:
     sees a recent value).
     """
 
-    def __init__(self, name: str, endpoint: Endpoint, concurrency: int | None, recoverable: bool = True) -> None:
+    def __init__(self, name: str, endpoint: Endpoint, concurrency: int | None, recoverable: bool = True,
+                 ledger: Ledger | None = None, slots: int | None = None) -> None:
         self.name = name
         self.endpoint = endpoint
         self.concurrency = concurrency
         self.recoverable = recoverable
+        self.ledger = ledger if ledger is not None else Ledger(0)  # where its GPU-time goes
+        self.slots = slots  # its batch slots (max_running_requests), None: read when the dispatcher opens it
         self.state = LaneState.SERVING
         self.reason = ""
         self.dropped = threading.Event()
@@ -94,6 +98,7 @@ class ServerPool:
         self.lost: dict[str, str] = {}  # session name -> why it was given up
         self._listeners: list[Callable[[], None]] = []
         self.closed = False
+        self.mode = Mode.BETWEEN  # what the run's inference does, for its servers' ledgers
 
     @classmethod
     def of(cls, endpoint: Endpoint, name: str | None = None) -> ServerPool:
@@ -115,18 +120,21 @@ class ServerPool:
         self._notify()
 
     def add(self, name: str, endpoint: Endpoint, concurrency: int | None = None, *,
-            recoverable: bool = True) -> Lane:
+            recoverable: bool = True, ledger: Ledger | None = None, slots: int | None = None) -> Lane:
         """Server ``name`` is ready at ``endpoint``: requests may go to it now.
 
         Args:
             concurrency: its requests in flight (None: the run's, else from its /server_info).
             recoverable: whether a session may bring it back once dropped (False: a dropped lane
                 is lost at once, e.g. a server someone else runs).
+            ledger: its lifecycle's GPU-time ledger, which counts the serving spell from now on
+                (None: a ledger of its own, e.g. a pool of one).
+            slots: its batch slots, for the ledger (None: read off the server).
 
         Raises:
             ValueError: its fingerprint differs from the servers' added before (the rows' ``server``).
         """
-        lane = Lane(name, endpoint, concurrency, recoverable)
+        lane = Lane(name, endpoint, concurrency, recoverable, ledger, slots)
         with self._lock:
             if self.lanes and endpoint.fingerprint != self.lanes[0].endpoint.fingerprint:
                 # A shard holds rows of every server: they must all generate alike.
@@ -135,6 +143,7 @@ class ServerPool:
             if name not in self._names:
                 self._names.append(name)
             self._pending.pop(name, None)
+            lane.ledger.serve(slots, self.mode)
             self.lanes.append(lane)
             if self.closed:  # ready after the run ended: its session stops it at once
                 self._drop_locked(lane, "ready after the run ended")
@@ -166,6 +175,8 @@ class ServerPool:
 
     def _drop_locked(self, lane: Lane, reason: str) -> None:
         lane.state, lane.reason, lane.ended = LaneState.DROPPED, reason, time.monotonic()
+        # from the drop its session brings it back (or gives it up and stops it)
+        lane.ledger.step(Bucket.RELAUNCH if lane.recoverable and not self.closed else Bucket.STOP)
         lane.dropped.set()
 
     def close(self) -> None:
@@ -176,8 +187,18 @@ class ServerPool:
             for lane in self.lanes:
                 if lane.state is LaneState.SERVING:
                     lane.state, lane.ended = LaneState.FINISHED, time.monotonic()
+                    lane.ledger.step(Bucket.STOP)
                 lane.dropped.set()  # wakes the sessions
         self._notify()
+
+    def set_mode(self, mode: Mode) -> None:
+        """What the run's inference does now (rows to come, draining, between datasets): where its
+        serving servers' empty slots go in their ledgers."""
+        with self._lock:
+            self.mode = mode
+            lanes = [lane for lane in self.lanes if lane.state is LaneState.SERVING]
+        for lane in lanes:
+            lane.ledger.set_mode(mode)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -495,6 +516,7 @@ class Dispatcher:
             self._lost(slot, ServerGone(f"{slot.lane.endpoint.url}: cannot open a client: {exc}"))
             return
         slot.concurrency = conc
+        slot.lane.ledger.set_slots(slot.lane.slots or conc)
         for _ in range(conc):
             self._release(slot)
 
@@ -581,14 +603,20 @@ class Dispatcher:
         """
         while True:
             slot = await self._take(text)
+            ledger = slot.lane.ledger
+            ticket = ledger.begin()
             try:
                 res = await slot.client.generate(text, sampling_params, rid)
             except ServerGone as exc:
+                ledger.finish(ticket, kept=False)
                 self._lost(slot, exc)
                 continue
             except BaseException:
+                ledger.finish(ticket, kept=False)
                 self._release(slot)
                 raise
+            share = ledger.finish(ticket, kept=True, tokens=res.completion_tokens)
+            res = dataclasses.replace(res, server_s=share, ledger=ledger)
             self._release(slot)
             lane = slot.lane
             lane.rows += 1
@@ -597,6 +625,13 @@ class Dispatcher:
             lane.completion_tokens += res.completion_tokens
             lane.requests = slot.client.stats.requests
             return res
+
+    @staticmethod
+    def discard(res: GenerateResult) -> None:
+        """``res`` is thrown away (a truncation retry replaced it): its server time and tokens are
+        wasted in its server's ledger."""
+        if res.ledger is not None:
+            res.ledger.discard(res.server_s, res.completion_tokens)
 
     async def context_limit(self) -> int | None:
         """The model's context length, as ``GenerateClient.context_limit``: every server of a

@@ -18,13 +18,14 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._dispatch import Dispatcher, ServerPool
 from tasks.inference._gc import young_generation
+from tasks.inference._ledger import Mode
 from tasks.inference._pool import InferencePool
 from tasks.inference._provenance import (
     Provenance,
@@ -221,9 +222,10 @@ async def _generate(
         )
         driver.committed = out.committed_indices(spec.name)
         driver.total_estimate = estimate_records(spec.path)
+        servers.set_mode(Mode.ROWS)
         try:
             with young_generation():  # decision 114: rows in flight are not garbage
-                await driver.run(iter_dataset(spec.path, spec.name))
+                await driver.run(_then_drain(iter_dataset(spec.path, spec.name), servers))
         except BaseExceptionGroup as group:
             err = _first_error(group)
             _finish(result, client, out, spec.name, started)
@@ -235,8 +237,16 @@ async def _generate(
                 ) from err
             raise err from None
         finally:
+            servers.set_mode(Mode.BETWEEN)
             _finish(result, client, out, spec.name, started)
     return result
+
+
+def _then_drain(rows: Iterable[Any], servers: ServerPool) -> Iterator[Any]:
+    """``rows``, then the servers' ledgers are told the input is read to its end: from there their
+    empty slots are the dataset's straggler tail (tasks/inference/_ledger.py)."""
+    yield from rows
+    servers.set_mode(Mode.DRAIN)
 
 
 def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, template: ChatTemplate | None,

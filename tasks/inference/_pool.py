@@ -477,10 +477,12 @@ class InferencePool:
             except PromptTooLong:  # the larger budget does not fit after all: keep what fits
                 break
             if again.max_new_tokens is not None and again.max_new_tokens <= budget:
+                self.client.discard(again)
                 break  # the server capped it to no more than before: nothing to gain from it
             self._count(item, again)
             done += 1
             self.result.truncation_retries += 1
+            self.client.discard(res)  # generated, and replaced: wasted GPU-time in the ledger
             res = again
         return res, done
 
