@@ -1,5 +1,6 @@
 """The failure notification `datagen up` keeps on the Prefect server: one automation that fires when a
-flow run of a `datagen` deployment ends Failed, Crashed or Cancelled.
+flow run of a `datagen` deployment ends Failed, Crashed or Cancelled, or says its goodput stayed low
+(the ``datagen.goodput.low`` event of flows/fleet.py: the message names the biggest loss).
 
 Where it goes: the notification block named by ``--notify`` / ``$DATAGEN_NOTIFY_BLOCK``
 (``<block-type-slug>/<block-name>``, e.g. ``slack-webhook/datagen-alerts`` or
@@ -18,15 +19,23 @@ import httpx
 from datagen._prefect_api import PrefectApi
 from tasks.errors import DatagenError
 
-__all__ = ["AUTOMATION_NAME", "NOTIFY_ENV", "NotifyError", "ensure_failure_automation", "failure_automation"]
+__all__ = ["AUTOMATION_NAME", "GOODPUT_LOW", "NOTIFY_ENV", "NotifyError", "ensure_failure_automation", "failure_automation"]
 
 AUTOMATION_NAME = "datagen: run failed, crashed or cancelled"
 NOTIFY_ENV = "DATAGEN_NOTIFY_BLOCK"
 END_STATES = ("Failed", "Crashed", "Cancelled")
+GOODPUT_LOW = "datagen.goodput.low"  # flows/fleet.py emits it for the flow run
 
-SUBJECT = "datagen {{ deployment.name }}: {{ flow_run.name }} {{ flow_run.state.name }}"
-BODY = """\
-Flow run {{ flow_run.name }} of deployment datagen/{{ deployment.name }} entered {{ flow_run.state.name }}.
+SUBJECT = ("datagen {{ deployment.name }}: {{ flow_run.name }} "
+           f"{{% if event.event == '{GOODPUT_LOW}' %}}goodput low{{% else %}}{{{{ flow_run.state.name }}}}{{% endif %}}")
+BODY = f"""\
+{{% if event.event == '{GOODPUT_LOW}' %}}\
+Flow run {{{{ flow_run.name }}}} of deployment datagen/{{{{ deployment.name }}}} is running below its goodput \
+threshold: {{{{ event.payload.message }}}}
+{{% else %}}\
+Flow run {{{{ flow_run.name }}}} of deployment datagen/{{{{ deployment.name }}}} entered {{{{ flow_run.state.name }}}}.
+{{% endif %}}\
+""" + """\
 Parameters: {{ flow_run.parameters }}
 Reason: {{ flow_run.state.message }}
 Control host: {{ flow_run.labels.get('datagen.host', 'not reported') }}; at its last report: \
@@ -48,7 +57,7 @@ def _trigger() -> dict[str, Any]:
         "posture": "Reactive",
         "threshold": 1,
         "within": 0,
-        "expect": [f"prefect.flow-run.{s}" for s in END_STATES],
+        "expect": [*(f"prefect.flow-run.{s}" for s in END_STATES), GOODPUT_LOW],
         "match": {"prefect.resource.id": "prefect.flow-run.*"},
         "match_related": [
             {"prefect.resource.role": "flow", "prefect.resource.name": "datagen"},
@@ -61,7 +70,8 @@ def failure_automation(actions: list[dict[str, Any]]) -> dict[str, Any]:
     """The automation document (``POST /automations/`` body) with ``actions``."""
     return {
         "name": AUTOMATION_NAME,
-        "description": "A datagen deployment run ended Failed, Crashed or Cancelled (managed by `datagen up`; "
+        "description": "A datagen deployment run ended Failed, Crashed or Cancelled, or its goodput stayed low "
+                       "(managed by `datagen up`; "
                        f"route it with `datagen up --notify <block-type>/<block-name>` or ${NOTIFY_ENV}).",
         "enabled": True,
         "trigger": _trigger(),

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--emu-request-log", default=os.environ.get("DATAGEN_EMU_REQUEST_LOG") or None,
                    help="append 'recv RID' when a /generate request arrives and 'done RID' when it is "
                         "answered (default: $DATAGEN_EMU_REQUEST_LOG)")
+    e.add_argument("--emu-request-times", metavar="PATH", default=None,
+                   help="append 'recv RID T' and 'done RID T' (T: the wall clock, seconds) as --emu-request-log "
+                        "does: a test's timeline of the server's requests")
     # A gate for tests: /generate requests wait while this file exists (runs held at a known point).
     e.add_argument("--emu-hold-while", metavar="PATH", default=None,
                    help="/generate requests wait while this file exists (tests hold runs at a known point)")
@@ -306,6 +309,7 @@ class Main:
             served_model_name=a.served_model_name, memory=memory, on_crash=self.crash_scheduler,
             rng_503=random.Random(a.emu_seed) if a.emu_503_rate > 0 or a.emu_bad_body_rate > 0 else None, startup_s=time.monotonic() - _STARTED,
             request_log=open(a.emu_request_log, "a", buffering=1) if a.emu_request_log else None,  # noqa: SIM115
+            request_times=open(a.emu_request_times, "a", buffering=1) if a.emu_request_times else None,  # noqa: SIM115
         )
         self.state = st
         for c in self.children:

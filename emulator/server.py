@@ -50,12 +50,17 @@ class ServerState:
     rng_503: random.Random | None = None
     startup_s: float = 0.0  # from the start of the main process until it served
     request_log: Any = None  # an open text file (--emu-request-log): tests count requests per rid
+    request_times: Any = None  # an open text file (--emu-request-times): the same with the wall clock
     rids: set[str] = field(default_factory=set)  # rids in flight: SGLang refuses a second one
 
     def log_request(self, event: str, reqs: list[Any]) -> None:
         if self.request_log is not None:
             self.request_log.write("".join(f"{event} {r.rid}\n" for r in reqs))
             self.request_log.flush()  # a killed server's log must hold every request it saw
+        if self.request_times is not None:
+            now = time.time()
+            self.request_times.write("".join(f"{event} {r.rid} {now:.6f}\n" for r in reqs))
+            self.request_times.flush()
 
 
 def _graphs(decode: float) -> dict[str, float]:

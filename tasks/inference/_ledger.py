@@ -19,7 +19,7 @@ So the buckets sum to the ledger's wall time (times the server's GPUs: GPU-secon
 server's measured capacity ``C`` (output tokens/s at full batch: tasks/inference/_capacity.py),
 goodput is ``kept output tokens / (C x seconds)``; a server that runs at full batch with every
 answer kept has goodput close to its serving share. Decision record:
-docs/decisions/121-goodput-ledger.md.
+docs/decisions/119-goodput-ledger.md.
 """
 
 from __future__ import annotations
