@@ -351,6 +351,9 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
     its GPU-time from the start of its hygiene to the end of its stop (None: one of its own)."""
     server = _Server(ctx, ledger)
     server.life.move(Move.START)
+    get_run_logger().info("server %s lifecycle begins: its GPU-time ledger counts from here", name)
+    server.started = time.monotonic()
+    server.ledger.step(Bucket.HYGIENE if ctx.launches else Bucket.HEALTH)
     try:
         while not server.life.phase.terminal:
             _serve_once(server, name, pool, closing)

@@ -344,6 +344,19 @@ class GenerateClient:
                 return limit
         return None
 
+    # A process killed with SIGKILL closes its sockets before it is a zombie: a check at the first
+    # connection error can still see it alive. It is asked again this much later (measured: a
+    # killed emulator was dropped 0.3 s after its death, one retry's backoff, without it).
+    ALIVE_RECHECK_S = 0.05
+
+    def _alive_settled(self) -> bool:
+        """``server_alive`` (in a worker thread), asked again after ALIVE_RECHECK_S when it says alive."""
+        assert self._server_alive is not None
+        if not self._server_alive():
+            return False
+        time.sleep(self.ALIVE_RECHECK_S)
+        return self._server_alive()
+
     async def _process_dead(self) -> bool:
         """True when ``server_alive`` says the server process is dead; False when alive, unknown
         (no callable, or it raised) or still being checked by another request."""
@@ -354,7 +367,7 @@ class GenerateClient:
         now = time.monotonic()
         check = self._alive_check
         if check is None or (check.done() and now - self._alive_checked_at > self.ALIVE_CHECK_TTL_S):
-            check = self._alive_check = asyncio.ensure_future(asyncio.to_thread(self._server_alive))
+            check = self._alive_check = asyncio.ensure_future(asyncio.to_thread(self._alive_settled))
             self._alive_checked_at = now
         try:
             alive = await asyncio.shield(check)  # shared: one cancelled waiter must not cancel it

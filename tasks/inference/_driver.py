@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +225,7 @@ async def _generate(
         servers.set_mode(Mode.ROWS)
         try:
             with young_generation():  # decision 114: rows in flight are not garbage
-                await driver.run(_then_drain(iter_dataset(spec.path, spec.name), servers))
+                await driver.run(iter_dataset(spec.path, spec.name))
         except BaseExceptionGroup as group:
             err = _first_error(group)
             _finish(result, client, out, spec.name, started)
@@ -240,13 +240,6 @@ async def _generate(
             servers.set_mode(Mode.BETWEEN)
             _finish(result, client, out, spec.name, started)
     return result
-
-
-def _then_drain(rows: Iterable[Any], servers: ServerPool) -> Iterator[Any]:
-    """``rows``, then the servers' ledgers are told the input is read to its end: from there their
-    empty slots are the dataset's straggler tail (tasks/inference/_ledger.py)."""
-    yield from rows
-    servers.set_mode(Mode.DRAIN)
 
 
 def _provenance(out: OutputDir, dataset: str, model_dir: str | Path | None, template: ChatTemplate | None,

@@ -2,9 +2,10 @@
 
 A :class:`Ledger` runs from the start of the server's hygiene to the end of its stop. Outside a
 serving spell the time falls in the bucket of the step under way (hygiene, launch, health and
-probe, relaunch, stop). While the server serves, each moment is split by its occupancy: with ``k``
-of the server's ``slots`` batch slots holding a request, ``min(k, slots) / slots`` of the moment is
-shared among the ``k`` requests (``1 / max(k, slots)`` each) and the rest is empty:
+probe, relaunch, stop). While the server serves, each moment is split by its occupancy: the
+server's ``slots`` batch slots are taken by the requests sent to it, first come first served (as
+SGLang admits them; the others wait behind them), each slot holding ``1 / slots`` of the moment, and
+the slots no request holds are empty:
 
 - a request's share goes to **serving** when its answer is kept, to **wasted** when it is thrown
   away (an answer a truncation retry replaced, a request lost with a killed or dropped server, one
@@ -24,6 +25,7 @@ docs/decisions/119-goodput-ledger.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import threading
@@ -107,12 +109,15 @@ class Capacity:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-@dataclasses.dataclass(frozen=True)
 class _Ticket:
-    """One request's place in the ledger: the spell it began in and the share clock then."""
+    """One request's place in the ledger: the spell it began in, and the share clock when it took a
+    batch slot (None while it waits for one behind ``slots`` older requests)."""
 
-    spell: int
-    clock: float
+    __slots__ = ("spell", "start")
+
+    def __init__(self, spell: int) -> None:
+        self.spell = spell
+        self.start: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +180,15 @@ class Ledger:
         self.capacity: Capacity | None = None
         self.kept_tokens = 0
         self.wasted_tokens = 0
-        # the serving spell: slots, requests in flight, the share clock and the sum of its open tickets
+        # the serving spell: its slots, the share clock (seconds / slots), the requests holding a
+        # slot (and the sum of their clocks at the start) and those waiting for one, oldest first
         self._serving = False
         self._slots = 1
         self._slots_known = False
-        self._in_flight = 0
-        self._share = 0.0
-        self._open = 0.0
+        self._clock_s = 0.0
+        self._running: set[_Ticket] = set()
+        self._started = 0.0
+        self._waiting: collections.deque[_Ticket] = collections.deque()
         self._spell = 0
         self._mode = Mode.BETWEEN
 
@@ -205,7 +212,8 @@ class Ledger:
             if self._ended:
                 return
             self._serving, self._slots, self._slots_known = True, max(1, slots or 1), slots is not None
-            self._mode, self._in_flight, self._share, self._open = mode, 0, 0.0, 0.0
+            self._mode, self._clock_s, self._started = mode, 0.0, 0.0
+            self._running, self._waiting = set(), collections.deque()
             self._spell += 1
             self._step = None
 
@@ -215,6 +223,7 @@ class Ledger:
             if self._serving and not self._slots_known:
                 self._advance()
                 self._slots, self._slots_known = max(1, slots), True
+                self._admit()
 
     def end(self) -> None:
         """The lifecycle is over (its stop returned): nothing more is counted."""
@@ -232,32 +241,38 @@ class Ledger:
             self._mode = mode
 
     def begin(self) -> _Ticket | None:
-        """A request takes a slot of this server; None when it does not serve (nothing to count)."""
+        """A request is sent to this server; None when it does not serve (nothing to count)."""
         with self._lock:
             if not self._serving:
                 return None
             self._advance()
-            self._in_flight += 1
-            self._open += self._share
-            return _Ticket(self._spell, self._share)
+            ticket = _Ticket(self._spell)
+            self._waiting.append(ticket)
+            self._admit()
+            return ticket
 
     def finish(self, ticket: _Ticket | None, *, kept: bool, tokens: int = 0) -> float:
         """The request of ``ticket`` is answered (``kept``: its answer is used) or failed; returns
-        its share in seconds (0 when its spell had ended: it was counted wasted then)."""
+        its share in seconds: the share clock's advance while it held a slot (0 when its spell had
+        ended: it was counted wasted then; 0 when it never held one by this ledger's reckoning)."""
         with self._lock:
+            if not kept:
+                self.wasted_tokens += tokens
             if ticket is None or ticket.spell != self._spell or not self._serving:
-                if not kept:
-                    self.wasted_tokens += tokens
                 return 0.0
             self._advance()
-            self._in_flight -= 1
-            self._open -= ticket.clock
-            share = self._share - ticket.clock
+            share = 0.0
+            if ticket in self._running:
+                assert ticket.start is not None
+                share = self._clock_s - ticket.start
+                self._running.discard(ticket)
+                self._started -= ticket.start
+                self._admit()
+            else:
+                self._waiting.remove(ticket)
             self._seconds[Bucket.SERVING if kept else Bucket.WASTED] += share
             if kept:
                 self.kept_tokens += tokens
-            else:
-                self.wasted_tokens += tokens
             return share
 
     def discard(self, share: float, tokens: int) -> None:
@@ -276,7 +291,7 @@ class Ledger:
             self._advance()
             seconds = dict(self._seconds)
             if self._serving:
-                seconds[Bucket.SERVING] += self._in_flight * self._share - self._open
+                seconds[Bucket.SERVING] += self._held()
             return LedgerView({str(b): s for b, s in seconds.items()}, self.gpus, self.kept_tokens,
                               self.wasted_tokens, self.capacity)
 
@@ -289,11 +304,11 @@ class Ledger:
         if self._ended or dt == 0.0:
             return now
         if self._serving:
-            k, slots = self._in_flight, self._slots
-            empty = (slots - min(k, slots)) / slots
+            slots = self._slots
+            empty = (slots - len(self._running)) / slots
             if empty:
-                self._seconds[self._empty_bucket(k)] += dt * empty
-            self._share += dt / max(k, slots)
+                self._seconds[self._empty_bucket(len(self._running) + len(self._waiting))] += dt * empty
+            self._clock_s += dt / slots
         elif self._step is not None:
             self._seconds[self._step] += dt
         return now
@@ -303,10 +318,23 @@ class Ledger:
             return Bucket.DRAIN if k else Bucket.VALIDATION
         return Bucket.UNDERFILLED if k and self._mode is Mode.ROWS else Bucket.IDLE
 
+    def _admit(self) -> None:
+        """The oldest waiting requests take the free slots (the server admits first come, first
+        served: a request waits while ``slots`` older ones run)."""
+        while self._waiting and len(self._running) < self._slots:
+            ticket = self._waiting.popleft()
+            ticket.start = self._clock_s
+            self._running.add(ticket)
+            self._started += self._clock_s
+
+    def _held(self) -> float:
+        """The shares of the requests holding a slot now, so far."""
+        return len(self._running) * self._clock_s - self._started
+
     def _end_spell(self) -> None:
         """Requests still in flight when a spell ends are lost with it: their shares are wasted."""
-        self._seconds[Bucket.WASTED] += self._in_flight * self._share - self._open
-        self._serving, self._in_flight, self._open = False, 0, 0.0
+        self._seconds[Bucket.WASTED] += self._held()
+        self._serving, self._running, self._waiting, self._started = False, set(), collections.deque(), 0.0
 
 
 class RunLedger:

@@ -1,6 +1,6 @@
 """The async worker pool of tasks.inference: stream the input, generate, journal, commit shards.
 
-``InferencePool.run(input_iter)`` reads the input once in the event loop and feeds ``concurrency``
+``InferencePool.run(input_iter)`` reads the input once (in chunks, by a reader thread) and feeds ``concurrency``
 worker tasks through a bounded queue, so only in-flight items, one reordering window (rows sent in
 ``tasks.inference._order.SendQueue``, for the server's prefix cache) and per-open-shard counters
 live in memory. A work item is one sample of one input record; ``samples`` items per record, all in
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import pyarrow as pa
 from tasks.inference._budget import TruncationPolicy, capped_sampling
 from tasks.inference._client import GenerateResult, PromptTooLong, cached_tokens
 from tasks.inference._dispatch import Dispatcher
+from tasks.inference._ledger import Mode
 from tasks.inference._order import Gate, SendQueue
 from tasks.inference._provenance import Provenance
 from tasks.inference._records import DatasetResult, DatasetSpec, ShardProgress
@@ -40,6 +42,8 @@ from tasks.reasoning import request_sampling
 from tasks.shards import Journal, JournalContents, OutputDir, ShardRecord, reject_units, rows_to_table
 
 __all__ = ["InferencePool"]
+
+READ_CHUNK = 64  # input records the reader thread reads per hand-over
 
 
 class _OpenShard:
@@ -283,11 +287,27 @@ class InferencePool:
             for shard in self.shards.values():
                 shard.journal.close()
 
+    async def _rows(self, input_iter: Iterable[Any]) -> AsyncIterator[tuple[int, Any]]:
+        """``(position, item)`` of the input, read in chunks by a thread of its own: a slow input (a
+        stalled file system, a long skipped run to parse) stalls the reading only, while answers
+        keep arriving and shards keep committing (and the ledger sees the server idle)."""
+        it = iter(input_iter)
+        loop = asyncio.get_running_loop()
+        reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datagen-read")
+        pos = 0
+        try:
+            while chunk := await loop.run_in_executor(reader, lambda: list(itertools.islice(it, READ_CHUNK))):
+                for item in chunk:
+                    yield pos, item
+                    pos += 1
+        finally:
+            reader.shutdown(wait=True)
+
     async def _read(self, input_iter: Iterable[Any], queue: SendQueue,
                     tg: asyncio.TaskGroup) -> None:
         size = self.shard_size
         pos = -1
-        for pos, item in enumerate(input_iter):
+        async for pos, item in self._rows(input_iter):
             index = pos // size
             if pos % 256 == 255:
                 await asyncio.sleep(0)  # let workers and commits run while parsing a long skipped run
@@ -302,6 +322,8 @@ class InferencePool:
             if pos % size == size - 1:
                 self._close_slice(index, size, tg)
         await self._flush(queue)
+        # every row is queued: from here the servers' empty slots are the dataset's straggler tail
+        self.client.pool.set_mode(Mode.DRAIN)
         total = pos + 1
         self.total_rows = total
         if total % size:

@@ -164,3 +164,16 @@ def test_the_watch_warns_once_per_low_spell_naming_the_biggest_loss() -> None:
     assert watch.observe(RunLedger({"s": _view(120, 20, 12)}), now=20.0) is None
     assert watch.observe(RunLedger({"s": _view(125, 30, 12.5)}), now=30.0) is not None
     assert GoodputWatch(0.0, 10.0).observe(RunLedger({"s": _view(0, 99, 0)}), now=99.0) is None
+
+
+def test_a_request_waiting_behind_the_slots_holds_nothing_until_one_frees() -> None:
+    led, clock = _ledger()
+    led.serve(1, Mode.ROWS)
+    a, b = led.begin(), led.begin()  # b waits at the server behind a
+    clock.at(2)
+    assert led.finish(a, kept=True) == pytest.approx(2.0)
+    clock.at(3)
+    assert led.finish(b, kept=False, tokens=4) == pytest.approx(1.0)  # it ran from 2 to 3 only
+    c = led.begin()
+    assert led.finish(c, kept=True) == 0.0
+    assert _s(led) == {"serving": 2.0, "wasted": 1.0}
