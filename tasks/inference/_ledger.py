@@ -11,10 +11,11 @@ the slots no request holds are empty:
   away (an answer a truncation retry replaced, a request lost with a killed or dropped server, one
   the run cancelled);
 - the empty part goes to **idle** (no request in flight while rows are to come: a slow input, a
-  prefix group held back, a commit), **under-filled** (some slots empty while rows are to come),
-  **drain** (slots empty once the input is read to its end: the straggler tail of the last shard)
-  or **validation** (nothing in flight once the input is read: the last shard's commit and its
-  validation gate while the server is still up).
+  prefix group held back, a commit), **under-filled** (some slots empty while rows are to come, or
+  fewer requests sent than the server has slots), **drain** (slots empty once every row of the
+  input has been sent: the straggler tail of the last shard) or **validation** (nothing in flight
+  once every row was sent: the last shard's commit and its validation gate while the server is
+  still up).
 
 So the buckets sum to the ledger's wall time (times the server's GPUs: GPU-seconds). With the
 server's measured capacity ``C`` (output tokens/s at full batch: tasks/inference/_capacity.py),
@@ -73,8 +74,8 @@ LOSSES = tuple(b for b in Bucket if b is not Bucket.SERVING)
 
 
 class Mode(enum.StrEnum):
-    """What the run's inference is doing, for the empty slots' bucket: rows still to come, the input
-    read to its end (drain), or no dataset generating (between datasets, before the first)."""
+    """What the run's inference is doing, for the empty slots' bucket: rows still to send, every row
+    of the input sent (drain), or no dataset generating (between datasets, before the first)."""
 
     ROWS = "rows"
     DRAIN = "drain"

@@ -151,6 +151,9 @@ class InferencePool:
         # Held from a shard's commit to the end of its gate: no shard commits past a gate that fails.
         self.commit_turn = asyncio.Lock()
         self.commits_halted = False  # a commit or its gate failed: no later shard commits
+        # rows handed to the send queue and taken from it by a worker, and whether the input is read
+        self.rows_sent = self.rows_taken = 0
+        self.input_read = False
 
     # -- shards ------------------------------------------------------------------------------------
 
@@ -322,8 +325,8 @@ class InferencePool:
             if pos % size == size - 1:
                 self._close_slice(index, size, tg)
         await self._flush(queue)
-        # every row is queued: from here the servers' empty slots are the dataset's straggler tail
-        self.client.pool.set_mode(Mode.DRAIN)
+        self.input_read = True
+        self._maybe_drain()
         total = pos + 1
         self.total_rows = total
         if total % size:
@@ -332,8 +335,15 @@ class InferencePool:
             self.executor, self.out.set_dataset_totals, self.spec.name, total)
         self.result.shards_total = -(-total // size)
 
+    def _maybe_drain(self) -> None:
+        """Once the input is read and every row of it taken by a worker, the servers' empty slots
+        are the dataset's straggler tail: their ledgers count them as drain."""
+        if self.input_read and self.rows_taken == self.rows_sent:
+            self.client.pool.set_mode(Mode.DRAIN)
+
     async def _send(self, item: _Item, queue: SendQueue) -> None:
         """Queue ``item`` for the workers, through the reordering window when there is one."""
+        self.rows_sent += 1
         if self.order_window == 1:
             await queue.put(item)
             return
@@ -389,6 +399,8 @@ class InferencePool:
             item = await queue.get()
             if item is None:
                 return
+            self.rows_taken += 1
+            self._maybe_drain()
             shard = item.shard
             try:
                 if self.regenerate == "all":

@@ -41,7 +41,7 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     part = run_partition(tmp_path, data, tiny_model, sglang_env, shard=3, max_new_tokens=4,
-                      run_extra="truncation = { factor = 2.0, max_new_tokens = 16 }")
+                      run_extra="truncation = { factor = 2.0, max_new_tokens = 16 }\ncapacity_probe_tokens = 16")
 
     res = run_datagen(tmp_path, [DATAGEN, "run", "--partition", str(part), "--out", str(out), "--truncation-retries", "2"])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -76,6 +76,19 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     rejects = OutputDir(out).read_rejects("ds")
     assert [x.get("id") for x in rejects] == ["toolong"]
     assert "longer than the model's context length" in json.dumps(rejects[0])
+    # goodput (issue 44): the real server's capacity was probed after its health check, and every
+    # second of its lifecycle is in one bucket; the truncation retries' first answers are wasted
+    summary = json.loads((out / "_last_run.json").read_text())
+    (server,) = summary["ledger"]["servers"].values()
+    cap = server["capacity"]
+    assert cap["tokens_per_s"] > 0 and cap["slots"] >= 1 and cap["seconds"] > 0, cap
+    assert sum(server["seconds"].values()) == pytest.approx(server["total_s"], abs=0.01)
+    assert server["seconds"]["launch"] > 0 and server["seconds"]["health"] > 0 and server["seconds"]["serving"] > 0
+    # 4 rows answered 4 then 8 tokens before their kept 16, "near" 4 before its 8: 52 tokens thrown away
+    assert server["wasted_tokens"] == 52 and server["seconds"]["wasted"] > 0
+    assert server["kept_tokens"] == summary["completion_tokens"] - 52
+    assert 0 < summary["ledger"]["goodput"] < 1
+    assert "GPU-time ledger:" in res.stdout and f"capacity {cap['tokens_per_s']:,.0f} tokens/s" in res.stdout
     # the server datagen launched is stopped: nothing of it is left
     recs = list(records(tmp_path).values())
     assert [s["state"] for r in recs for s in r.get("servers", [])] == ["stopped"]
