@@ -162,6 +162,8 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     # outlast `prefect flow-run cancel` starting on a loaded host (at 12 ms a step the run once
     # completed before the cancel came)
     part = _partition(base / "cancel", ["--emu-decode-ms-per-step", "40", "--emu-output-tokens", "48"])
+    # goodput stays under 99% over any 2 s: the run warns and the failure automation notifies it
+    part.write_text(part.read_text().replace("[run]\n", "[run]\ngoodput_warn_below = 0.99\ngoodput_window_s = 2\n"))
     ids["cancelled"] = api.run("datagen/demo", partition=str(part))
     api.wait(ids["cancelled"], {"RUNNING"}, 120)
     manifest, deadline = base / "cancel" / "out" / "_manifest.json", time.monotonic() + 120
@@ -200,8 +202,8 @@ def test_plain_up_leaves_the_nightly_off_and_a_do_nothing_automation(stack: dict
     assert "schedules: none active" in stack["up"]
     (auto,) = _automations(stack["api"])
     assert [a["type"] for a in auto["actions"]] == ["do-nothing"]
-    assert sorted(auto["trigger"]["expect"]) == ["prefect.flow-run.Cancelled", "prefect.flow-run.Crashed",
-                                                 "prefect.flow-run.Failed"]
+    assert sorted(auto["trigger"]["expect"]) == ["datagen.goodput.low", "prefect.flow-run.Cancelled",
+                                                 "prefect.flow-run.Crashed", "prefect.flow-run.Failed"]
 
 
 def test_up_again_turns_on_only_what_was_asked_and_updates_in_place(stack: dict[str, Any], hook: Hook) -> None:
@@ -240,6 +242,17 @@ def test_failed_and_cancelled_runs_notify_the_block(stack: dict[str, Any], hook:
     assert "Deployment concurrency limit reached" in body["body"]
     demo = api.http.get(f"/flow_runs/{runs['demo']}").json()
     assert not [b for b in hook.bodies if demo["name"] in json.dumps(b)]  # a completed run is quiet
+
+
+def test_a_run_whose_goodput_stays_low_notifies_the_block_naming_its_biggest_loss(
+        stack: dict[str, Any], hook: Hook, runs: dict[str, str]) -> None:
+    api: PrefectApi = stack["api"]
+    rerun = api.http.get(f"/flow_runs/{runs['rerun']}").json()
+    body = hook.wait(f"{rerun['name']} goodput low")
+    assert body["subject"] == f"datagen demo: {rerun['name']} goodput low"
+    assert "is running below its goodput threshold: goodput " in body["body"]
+    assert "below run.goodput_warn_below 99%; the biggest loss is " in body["body"]
+    assert "goodput" in api.logs(runs["rerun"])
 
 
 @pytest.fixture(scope="module")
@@ -419,6 +432,13 @@ def test_browser_artifacts_tab_shows_the_run_summary(stack: dict[str, Any], runs
     browser.open(f"http://127.0.0.1:{stack['port']}/artifacts/artifact/{summary['id']}")
     browser.wait_text("rows")
     browser.shot("run-summary")
+    # the GPU-time ledger (issue 44): goodput, each bucket with its bar, the server's capacity
+    text = browser.wait_text("GPU-time ledger", scroll=True)
+    for needle in ("goodput", "serving at full batch (kept rows)", "health check and capacity probe",
+                   "capacity (tokens/s at full batch)", "\u2588"):
+        assert needle in text, needle
+    browser.show("GPU-time ledger")
+    browser.shot("run-summary-ledger")
 
 
 def test_browser_custom_run_form_shows_each_parameter_typed_with_its_description(stack: dict[str, Any],

@@ -67,6 +67,7 @@ concurrency = {conc}
 max_relaunches = {max_relaunches}
 hygiene_grace_s = 1
 hang_timeout_s = 5
+capacity_probe_tokens = 16
 [sampling]
 max_new_tokens = 256
 [output]

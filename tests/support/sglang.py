@@ -141,6 +141,7 @@ shard_size = {shard}
 concurrency = 4
 hygiene_grace_s = 1
 {run_extra}
+{"" if "capacity_probe_tokens" in run_extra else "capacity_probe_tokens = 0  # the probe: test_user_path.py"}
 
 [sampling]
 max_new_tokens = {max_new_tokens}

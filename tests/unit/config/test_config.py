@@ -90,6 +90,10 @@ BASE = '[datasets]\nx = "in.jsonl"\n[model]\npath = "m"\n'
         (BASE + "[run]\nshard_size = 10000000\n", "run.shard_size", "10000000 is over the limit of 1,000,000"),
         (BASE + "[run]\nhygiene_grace_s = nan\n", "run.hygiene_grace_s", "nan is not a finite non-negative number"),
         (BASE + "[run]\nhang_timeout_s = inf\n", "run.hang_timeout_s", "inf is not a finite non-negative number"),
+        (BASE + "[run]\ncapacity_probe_tokens = -1\n", "run.capacity_probe_tokens", "-1 is not a non-negative"),
+        (BASE + "[run]\ngoodput_warn_below = 30\n", "run.goodput_warn_below",
+         "30 is not a share between 0 and 1 (0 turns it off)"),
+        (BASE + "[run]\ngoodput_window_s = -5\n", "run.goodput_window_s", "-5 is not a finite non-negative number"),
         (BASE + '[model]\n', "[model]", ""),  # duplicate table: TOML error names the file
         (BASE + "[sim_gpus]\ncount = 2\n", "sim_gpus", "need server.backend"),
         (BASE + "[run]\nserver_url = 5\n", "run.server_url", "5 is neither an http(s) URL nor a list of them"),
