@@ -64,8 +64,7 @@ def _buckets(ledger: dict[str, Any]) -> str:
 
 def _emulator(work: Path, n: int) -> list[dict[str, Any]]:
     part, _ = partition(work, {"ds": n}, ["--emu-decode-ms-per-step", str(STEP_MS)], shard=100, conc=2 * SLOTS,
-                        max_relaunches=1, server=f"max_running_requests = {SLOTS}")
-    part.write_text(part.read_text().replace("capacity_probe_tokens = 16\n", "capacity_probe_tokens = 128\n"))
+                        max_relaunches=1, server=f"max_running_requests = {SLOTS}", probe_tokens=128)
     summary, wall = _run(part, work / "out", _env(work))
     ledger = summary["ledger"]
     (server,) = ledger["servers"].values()

@@ -286,6 +286,7 @@ concurrency = {plan.concurrency}
 max_relaunches = 3
 hygiene_grace_s = 1
 hang_timeout_s = 3
+capacity_probe_tokens = 0
 host_wait_s = 30
 {grace}[sampling]
 max_new_tokens = 256

@@ -495,7 +495,8 @@ def _probe(server: _Server) -> None:
     endpoint = server.endpoint
     try:
         prompts = probe_prompts(ctx.cfg.datasets, ctx.cfg.model_path, 64)
-        cap = measure_capacity(endpoint, prompts, tokens=tokens)
+        # a hung server fails its probe within the run's own bound of a hang (at least 30 s)
+        cap = measure_capacity(endpoint, prompts, tokens=tokens, timeout_s=max(30.0, ctx.cfg.hang_timeout_s))
     except Exception as exc:
         logger.warning("capacity probe of %s failed (%s): its goodput is not measured", endpoint.url, _short(exc))
         return

@@ -222,7 +222,7 @@ def _parse(data: dict[str, Any], path: Path, base: Path) -> PartitionConfig:
         server_grace_s=nonneg_float(run.get("server_grace_s", SERVER_GRACE_S), f, "run.server_grace_s"),
         price_per_gpu_hour=(nonneg_float(run["price_per_gpu_hour"], f, "run.price_per_gpu_hour")
                             if "price_per_gpu_hour" in run else None),
-        capacity_probe_tokens=int_from(0, 1 << 16)(run.get("capacity_probe_tokens", 256), f,
+        capacity_probe_tokens=int_from(0, 1 << 16)(run.get("capacity_probe_tokens", 128), f,
                                                      "run.capacity_probe_tokens"),
         goodput_warn_below=share(run.get("goodput_warn_below", 0.3), f, "run.goodput_warn_below"),
         goodput_window_s=nonneg_float(run.get("goodput_window_s", 900.0), f, "run.goodput_window_s"),

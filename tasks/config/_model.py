@@ -143,7 +143,7 @@ class PartitionConfig:
     server_grace_s: float = SERVER_GRACE_S
     price_per_gpu_hour: float | None = None  # the run summary's cost per 1,000 rows (None: not shown)
     # the capacity probe's new tokens per request after each health check (0: no probe, goodput unknown)
-    capacity_probe_tokens: int = 256
+    capacity_probe_tokens: int = 128
     # a warning names the biggest loss when goodput over the last goodput_window_s stays below this (0: never)
     goodput_warn_below: float = 0.3
     goodput_window_s: float = 900.0

@@ -449,7 +449,9 @@ class RunLedger:
         lines = [f"{indent}{self.headline()}"]
         width = max(len(b.label) for b in Bucket)
         for bucket, seconds, share in self.rows():
-            lines.append(f"{indent}  {bucket.label:<{width}} {seconds:>10,.1f} {unit} {100 * share:5.1f}% {bar(share, 20)}")
+            if seconds > 0:  # a bucket that holds nothing is not a line (a shared server has no hygiene)
+                lines.append(f"{indent}  {bucket.label:<{width}} {seconds:>10,.1f} {unit} {100 * share:5.1f}% "
+                             f"{bar(share, 20)}")
         lines.append(f"{indent}  {'total':<{width}} {self.total_gpu_s:>10,.1f} {unit}")
         return lines
 

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulator.simgpu import SimGpus
+from tasks.inference import PROBE_RID
 from tasks.shards import OutputDir
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import migrated_home, on_shared_server
@@ -130,7 +131,9 @@ def _peak_in_flight(log: Path) -> int:
     arrival, 'done RID' when answered, in the order they happened)."""
     held = peak = 0
     for line in log.read_text().splitlines():
-        event = line.split(maxsplit=1)[0]
+        event, _, rid = line.partition(" ")
+        if rid.startswith(PROBE_RID):
+            continue  # the capacity probe after the health check: one request per slot, not the run's
         held += {"recv": 1, "done": -1}.get(event, 0)
         peak = max(peak, held)
     return peak

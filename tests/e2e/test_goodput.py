@@ -63,7 +63,7 @@ def _run(tmp: Path, prefect_server: PrefectServer, n: int, *, emu: list[str] = (
                                          *emu], shard=40, conc=2 * SLOTS, max_relaunches=1,
                         server=f"max_running_requests = {SLOTS}")
     ids = _rows(tmp / "ds.jsonl", n, special or {})
-    text = part.read_text().replace("capacity_probe_tokens = 16\n", f"capacity_probe_tokens = 64\norder = \"input\"\n{run}\n")
+    text = part.read_text().replace("capacity_probe_tokens = 0\n", f"capacity_probe_tokens = 64\norder = \"input\"\n{run}\n")
     part.write_text(text.replace("max_new_tokens = 256", sampling))
     SimGpus.init(tmp / "sim-gpus.json", count=1)
     env = prefect_server.env(**{ENV_VAR: str(tmp / "sim-gpus.json"), "DATAGEN_STATE_DIR": str(tmp / "state"),

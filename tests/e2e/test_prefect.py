@@ -76,7 +76,8 @@ def _partition(tmp: Path, name: str, extra_args: list[str], run: str = "", sampl
         f'[model]\npath = "{ROOT}/data/models/demo"\nreasoning_parser = "qwen3"\n'
         f'[server]\nbackend = "emulator"\ntp_size = 1\nextra_args = {json.dumps(extra_args)}\n'
         f"[sim_gpus]\ncount = 2\n"
-        f"[run]\nshard_size = 50\nconcurrency = 16\nhygiene_grace_s = 2\nhang_timeout_s = 4\n{run}"
+        f"[run]\nshard_size = 50\nconcurrency = 16\nhygiene_grace_s = 2\nhang_timeout_s = 4\n"
+        f"capacity_probe_tokens = 0\n{run}"  # the probe's requests would count against the faults
         f"[sampling]\nmax_new_tokens = 256\n{sampling}"
         f'[output]\nroot = "{tmp / name}"\n'
     )

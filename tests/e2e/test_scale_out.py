@@ -63,6 +63,7 @@ targets = [{", ".join(targets)}]
 shard_size = 25
 concurrency = 6
 hygiene_grace_s = 1
+capacity_probe_tokens = 0
 {run}
 [sampling]
 max_new_tokens = 256

@@ -41,6 +41,7 @@ targets = ["local"]
 [run]
 shard_size = 10
 concurrency = 4
+capacity_probe_tokens = 0
 
 [sampling]
 max_new_tokens = 128

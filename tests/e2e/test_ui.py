@@ -163,7 +163,8 @@ def runs(stack: dict[str, Any], hook: Hook) -> dict[str, str]:
     # completed before the cancel came)
     part = _partition(base / "cancel", ["--emu-decode-ms-per-step", "40", "--emu-output-tokens", "48"])
     # goodput stays under 99% over any 2 s: the run warns and the failure automation notifies it
-    part.write_text(part.read_text().replace("[run]\n", "[run]\ngoodput_warn_below = 0.99\ngoodput_window_s = 2\n"))
+    part.write_text(part.read_text().replace("capacity_probe_tokens = 0\n", "capacity_probe_tokens = 16\n"
+                                             "goodput_warn_below = 0.99\ngoodput_window_s = 2\n"))
     ids["cancelled"] = api.run("datagen/demo", partition=str(part))
     api.wait(ids["cancelled"], {"RUNNING"}, 120)
     manifest, deadline = base / "cancel" / "out" / "_manifest.json", time.monotonic() + 120

@@ -59,6 +59,7 @@ shard_size = 20
 concurrency = {conc}
 hygiene_grace_s = 1
 hang_timeout_s = 5
+capacity_probe_tokens = 0
 {run}
 [sampling]
 {sampling}

@@ -49,6 +49,7 @@ targets = ["local"]
 [run]
 shard_size = 4
 concurrency = 4
+capacity_probe_tokens = 0
 {extra_run}
 
 [sampling]

@@ -45,7 +45,10 @@ def _dataset(path: Path, name: str, n: int) -> list[str]:
 
 
 def partition(tmp: Path, datasets: dict[str, int], extra: list[str], *, shard: int, conc: int,
-               max_relaunches: int, server: str = "") -> tuple[Path, dict[str, list[str]]]:
+               max_relaunches: int, server: str = "", probe_tokens: int = 0) -> tuple[Path, dict[str, list[str]]]:
+    """An emulator partition under ``tmp`` and the row ids of each dataset. ``probe_tokens``: the capacity
+    probe's tokens (0: no probe; the probe's own requests would count against faults such as
+    ``--emu-crash-after``: tests/e2e/test_goodput.py tests it)."""
     ids = {name: _dataset(tmp / f"{name}.jsonl", name, n) for name, n in datasets.items()}
     lines = "\n".join(f'{name} = "{tmp / name}.jsonl"' for name in datasets)
     part = tmp / "partition.toml"
@@ -67,7 +70,7 @@ concurrency = {conc}
 max_relaunches = {max_relaunches}
 hygiene_grace_s = 1
 hang_timeout_s = 5
-capacity_probe_tokens = 16
+capacity_probe_tokens = {probe_tokens}
 [sampling]
 max_new_tokens = 256
 [output]
