@@ -43,6 +43,8 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     part = run_partition(tmp_path, data, tiny_model, sglang_env, shard=3, max_new_tokens=4,
                       run_extra="truncation = { factor = 2.0, max_new_tokens = 16 }\ncapacity_probe_tokens = 16")
 
+    # 8 batch slots (CPU SGLang reports 1,024 of its own): the capacity probe sends one request per slot
+    part.write_text(part.read_text().replace("\n[run]\n", "\nmax_running_requests = 8\n[run]\n"))
     res = run_datagen(tmp_path, [DATAGEN, "run", "--partition", str(part), "--out", str(out), "--truncation-retries", "2"])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"completed: 5 rows in {out}" in res.stdout
@@ -86,6 +88,8 @@ def test_plain_run_near_context_truncation_retries_provenance_export_and_card(
     assert cap["tokens_per_s"] > 0 and cap["slots"] >= 1 and cap["seconds"] > 0, cap
     assert sum(server["seconds"].values()) == pytest.approx(server["total_s"], abs=0.01)
     assert server["seconds"]["launch"] > 0 and server["seconds"]["health"] > 0 and server["seconds"]["serving"] > 0
+    # 4 in flight on a server of 8 slots: half of them empty while rows are to come
+    assert cap["slots"] == 8 and server["seconds"]["underfilled"] > 0
     # 4 rows answered 4 then 8 tokens before their kept 16, "near" 4 before its 8: 52 tokens thrown away
     assert server["wasted_tokens"] == 52 and server["seconds"]["wasted"] > 0
     assert server["kept_tokens"] == summary["completion_tokens"] - 52
