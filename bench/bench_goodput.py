@@ -5,8 +5,9 @@ time, and where the GPU-time of a plain run goes (issue 44).
   run` of 400 rows on one simulated GPU, 8 slots at 10 ms a step (800 tokens/s). Reported: the probe's
   capacity over the truth (target within 10%), the ledger's GPU-seconds over the server's lifecycle
   wall time from its first to its last log line (target within 1%), goodput and the buckets.
-- **Real SGLang on CPU** (`make sglang-cpu`; not run without it): one `datagen run` that launches the
-  server itself, 48 rows of 32 tokens: its capacity, goodput and buckets, as a user sees them.
+- **Real SGLang on CPU** (`make sglang-cpu`; not run without it): `datagen run`, launching the server
+  itself, of 512 rows of 32 tokens at 16 in flight, then at datagen's default (twice the 1,024 slots
+  CPU SGLang reports, capped at 1,024): the capacity, goodput and buckets a user sees in each.
 
 Run alone: ``.venv/bin/python bench/bench_goodput.py [--quick]``.
 """
@@ -91,22 +92,29 @@ def _sglang(work: Path, n: int) -> list[dict[str, Any]]:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * 8}]})
                             + "\n" for i in range(n)))
-    part = run_partition(work, data, model, SGLANG_PYTHON, shard=16, max_new_tokens=32,
-                         run_extra="capacity_probe_tokens = 32\nconcurrency = 16")
-    part.write_text(part.read_text().replace("concurrency = 4\n", ""))
-    t0 = time.perf_counter()
-    summary, wall = _run(part, work / "sglang-out", _env(work))
-    ledger = summary["ledger"]
-    (server,) = ledger["servers"].values()
-    cap = server["capacity"]
-    return [
-        {"metric": "real SGLang: probed capacity", "value": round(cap["tokens_per_s"], 1), "unit": "tok/s",
-         "target": "", "ok": True, "note": f"{cap['slots']} slots x 32 tokens in {cap['seconds']:.2f} s"},
-        {"metric": "real SGLang: goodput of a launched run", "value": round(ledger["goodput"], 3), "unit": "",
-         "target": "", "ok": True,
-         "note": f"{n} rows x 32 tokens, whole command {time.perf_counter() - t0:.0f} s, lifecycle {wall:.1f} s; "
-                 f"{_buckets(ledger)}"},
-    ]
+    rows = []
+    # the same rows at 16 in flight, then at datagen's default (twice the slots the server reports)
+    for conc in ("16", "auto"):
+        case = work / f"conc-{conc}"
+        case.mkdir()
+        part = run_partition(case, data, model, SGLANG_PYTHON, shard=64, max_new_tokens=32,
+                             run_extra="capacity_probe_tokens = 32")
+        part.write_text(part.read_text().replace("concurrency = 4\n", f"concurrency = {conc}\n" if conc != "auto"
+                                                 else ""))
+        t0 = time.perf_counter()
+        summary, wall = _run(part, case / "out", _env(case))
+        ledger = summary["ledger"]
+        (server,) = ledger["servers"].values()
+        cap = server["capacity"]
+        if conc == "16":
+            rows.append({"metric": "real SGLang: probed capacity", "value": round(cap["tokens_per_s"], 1),
+                         "unit": "tok/s", "target": "", "ok": True,
+                         "note": f"{cap['slots']} slots x 32 tokens in {cap['seconds']:.2f} s"})
+        rows.append({"metric": f"real SGLang: goodput, concurrency {conc}", "value": round(ledger["goodput"], 4),
+                     "unit": "", "target": "", "ok": True,
+                     "note": f"{n} rows x 32 tokens, whole command {time.perf_counter() - t0:.0f} s, lifecycle "
+                             f"{wall:.1f} s; {_buckets(ledger)}"})
+    return rows
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
@@ -114,7 +122,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         (Path(tmp) / "emu").mkdir()
         rows = _emulator(Path(tmp) / "emu", 200 if quick else 400)
         (Path(tmp) / "sglang").mkdir()
-        return rows + _sglang(Path(tmp) / "sglang", 24 if quick else 48)
+        return rows + _sglang(Path(tmp) / "sglang", 128 if quick else 512)
 
 
 if __name__ == "__main__":
