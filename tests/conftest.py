@@ -70,6 +70,8 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_ui.py",  # 171 s
     "tests/e2e/test_scale_out.py",  # 142 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
+    "tests/e2e/test_goodput_faults.py",  # about 40 s: a kill -9 and its relaunch, a stalled reader
+    "tests/e2e/test_goodput.py",  # about 40 s: two `datagen run`s with a long tail
     "tests/e2e/test_adopt.py",  # about 100 s
     "tests/e2e/test_swap_races.py",  # about 110 s on 4 workers: 9 `datagen run`s and 24 quick commands
     "tests/e2e/test_chaos_quick.py",  # 84 s
