@@ -21,13 +21,12 @@ import asyncio
 import dataclasses
 import re
 import secrets
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from tasks.inference._client import ClientConfig, GenerateClient, GenerateResult, PromptTooLong, batch_slots
+from tasks.inference._driver import run_sync
 from tasks.inference._ledger import Capacity
 from tasks.inference._settings import Endpoint
 from tasks.prompts import ChatTemplate, InputRow, iter_dataset, render_row
@@ -92,25 +91,8 @@ def measure_capacity(endpoint: Endpoint, prompts: Sequence[str], *, tokens: int,
                      config: ClientConfig | None = None, timeout_s: float = 120.0) -> Capacity:
     """:func:`measure_capacity_async` from synchronous code (in a thread of its own when this one
     runs an event loop)."""
-    coro = measure_capacity_async(endpoint, prompts, tokens=tokens, slots=slots, config=config, timeout_s=timeout_s)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = asyncio.run(coro)
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target, name="datagen-capacity-probe")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]  # type: ignore[no-any-return]
+    return run_sync(measure_capacity_async(endpoint, prompts, tokens=tokens, slots=slots, config=config,
+                                           timeout_s=timeout_s), "datagen-capacity-probe")
 
 
 def probe_prompts(datasets: Mapping[str, Path], model_dir: str | Path | None, n: int) -> list[str]:

@@ -18,9 +18,9 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tasks.inference._client import GenerateClient, ServerGone, default_concurrency
 from tasks.inference._dispatch import Dispatcher, ServerPool
@@ -42,7 +42,9 @@ from tasks.prompts import ChatTemplate, InputRow, input_fingerprint, iter_datase
 from tasks.reasoning import parser_for_model, tags_for
 from tasks.shards import InputSlice, OutputDir, ShardRecord
 
-__all__ = ["OpenedDataset", "canary_size", "open_dataset", "run_dataset", "run_dataset_async"]
+__all__ = ["OpenedDataset", "canary_size", "open_dataset", "run_dataset", "run_dataset_async", "run_sync"]
+
+T = TypeVar("T")
 
 
 def input_slices(path: Path, dataset: str, shard_size: int) -> Iterator[InputSlice]:
@@ -338,9 +340,22 @@ def run_dataset(
         OSError: the input is unreadable.
         Exception: whatever ``on_shard_committed`` or ``on_canary`` raises.
     """
-    coro = run_dataset_async(spec, out_dir, servers, settings, opened=opened, on_shard_committed=on_shard_committed,
-                             progress=progress, on_canary=on_canary)
-    if not _loop_running():
+    return run_sync(run_dataset_async(spec, out_dir, servers, settings, opened=opened,
+                                      on_shard_committed=on_shard_committed, progress=progress, on_canary=on_canary),
+                    "datagen-inference")
+
+
+def run_sync(coro: Coroutine[Any, Any, T], thread_name: str) -> T:
+    """Run ``coro`` to its end from synchronous code: here, or in a thread named ``thread_name``
+    when this thread already runs an event loop (``asyncio.run`` cannot be nested in it); its error
+    is raised in the caller's thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:
         # Outside the except clause of the loop probe: an error of the run must not carry the
         # probe's "no running event loop" as its context.
         return asyncio.run(coro)
@@ -352,18 +367,9 @@ def run_dataset(
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
-    t = threading.Thread(target=target, name="datagen-inference")
+    t = threading.Thread(target=target, name=thread_name)
     t.start()
     t.join()
     if "error" in box:
         raise box["error"]
     return box["result"]  # type: ignore[no-any-return]
-
-
-def _loop_running() -> bool:
-    """Whether this thread runs an event loop (``asyncio.run`` cannot be nested in it)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
