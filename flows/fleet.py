@@ -45,7 +45,6 @@ from flows.retry import health_check, hygiene, identify_server, launch_server
 from tasks.artifacts import artifact_key
 from tasks.inference import (
     Bucket,
-    Capacity,
     Endpoint,
     Ledger,
     LedgerView,
@@ -308,10 +307,8 @@ class _Server:
         self.ctx = ctx
         self.life = Lifecycle(budget=ctx.cfg.max_relaunches if ctx.launches else 0)
         self.ledger = ledger if ledger is not None else Ledger(len(ctx.gpus) if ctx.launches else 0)
-        self.capacity: Capacity | None = None
         self.handle: ServerHandle | None = None
         self.fingerprint = ctx.fingerprint
-        self.started: float | None = None
         self.error: BaseException | None = None  # why it never became ready, or was refused
         # the pid of a server a launch started and has not handed back as its handle: when the launch
         # then fails, that server may still run (its host was lost between the start and the leash)
@@ -352,7 +349,6 @@ def serve_server(ctx: RunContext, name: str, pool: ServerPool, closing: threadin
     server = _Server(ctx, ledger)
     server.life.move(Move.START)
     get_run_logger().info("server %s lifecycle begins: its GPU-time ledger counts from here", name)
-    server.started = time.monotonic()
     server.ledger.step(Bucket.HYGIENE if ctx.launches else Bucket.HEALTH)
     try:
         while not server.life.phase.terminal:
@@ -375,7 +371,7 @@ def _serve_once(server: _Server, name: str, pool: ServerPool, closing: threading
         return
     try:
         lane = pool.add(name, server.endpoint, recoverable=ctx.launches, ledger=server.ledger,
-                        slots=server.capacity.slots if server.capacity is not None else None)
+                        slots=server.ledger.capacity.slots if server.ledger.capacity is not None else None)
     except ValueError as exc:  # it would generate other rows than the run's other servers
         pool.give_up(name, f"refused: {exc}")
         logger.error("server %s refused (skipped): %s", name, exc)
@@ -428,16 +424,13 @@ def _relaunch_or_lose(server: _Server, name: str, reason: str, pool: ServerPool,
            else "not relaunched")
     get_run_logger().warning("server %s dropped: %s; rows done are safe on disk; %s", name, reason, nxt)
     if not ctx.launches:
-        server.ledger.step(Bucket.STOP)
         life.move(Move.GIVE_UP)  # someone else's server: not ours to relaunch
         return
     if not life.budget_left:
-        server.ledger.step(Bucket.STOP)
         pool.give_up(name, f"{drop}; relaunch budget spent ({life.budget})")
         life.move(Move.GIVE_UP)
         return
     if not _wait_reachable(ctx, closing):
-        server.ledger.step(Bucket.STOP)
         waited = f"{ctx.cfg.host_wait_s:g} s"
         pool.give_up(name, f"host unreachable for {waited}" if drop.kind is DropKind.HOST_UNREACHABLE
                      else f"{drop}; then its host was unreachable for {waited}")
@@ -451,8 +444,6 @@ def _bring_up(server: _Server) -> None:
     """The lifecycle's first stages: hygiene -> launch -> health (a shared server: identify ->
     health). A relaunch stops the dropped server first, and after a runtime OOM starts lower."""
     ctx, life, ledger = server.ctx, server.life, server.ledger
-    if server.started is None:
-        server.started = time.monotonic()
     # a relaunch's bring-up is all the relaunch's time in the ledger; the first is step by step
     again = life.relaunches > 0 or life.phase is Phase.RELAUNCHING
     steps = (lambda b: ledger.step(Bucket.RELAUNCH)) if again else ledger.step
@@ -500,7 +491,7 @@ def _probe(server: _Server) -> None:
     except Exception as exc:
         logger.warning("capacity probe of %s failed (%s): its goodput is not measured", endpoint.url, _short(exc))
         return
-    server.capacity = server.ledger.capacity = cap
+    server.ledger.capacity = cap
     others = f", {cap.others_running} other request(s) running on it" if cap.others_running else ""
     logger.info("capacity of %s: %.0f output tokens/s at full batch (%d slots x %d tokens in %.1f s%s)",
                 endpoint.url, cap.tokens_per_s, cap.slots, tokens, cap.seconds, others)
