@@ -64,8 +64,7 @@ def test_a_long_last_row_grows_drain_and_truncation_retries_grow_wasted(
     special[n - 1] = "LONG question"  # the last row: about 600 tokens
     output, summary, _ = run_goodput(
         tmp_path, prefect_server, n, special=special, emu=["--emu-output-tokens-if", "TRUNC=200",
-                                                           "--emu-output-tokens-if", "LONG=600",
-                                                           "--emu-decode-ms-per-step", "5"],
+                                                           "--emu-output-tokens-if", "LONG=600"],
         run="truncation = { factor = 16.0, max_new_tokens = 1024 }", sampling="max_new_tokens = 64",
         args=["--truncation-retries", "1"])
     server = one_server(summary["ledger"])
