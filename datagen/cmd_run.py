@@ -139,7 +139,7 @@ def run_flow(partition: str, values: Mapping[str, Any]) -> tuple[int, Any]:
         api.ready()
 
         if cfg.server_url is None:
-            ensure_limits([limit_name(t) for t in cfg.targets])
+            ensure_limits([limit_name(t) for t in cfg.hosts()])
         # cast: the flow's settings are keywords, which hides return_state's overload from mypy
         state = cast("State[Any]", datagen(partition=partition, **overrides.as_kwargs(), return_state=True))
         if state.is_completed():

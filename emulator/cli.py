@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import select
 import shlex
 import signal
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 import psutil
 
 from emulator.logs import log, raw
+from emulator.nodes import NodeLink, check_nodes, join, node_fault
 from emulator.procs import Child, RankSpec, start_detokenizer, start_scheduler
 from emulator.profile import ModelInfo, load_model
 
@@ -47,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1)
     a("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     a("--base-gpu-id", type=int, default=0)
+    a("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
+    a("--nnodes", type=int, default=1)
+    a("--node-rank", type=int, default=0)
+    a("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
+    a("--dist-timeout", type=int, default=None)
     a("--trust-remote-code", action="store_true")
     a("--served-model-name", default=None)
     a("--context-length", type=int, default=None)
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append 'recv RID T' and 'done RID T' (T: the wall clock, seconds) as --emu-request-log "
                         "does: a test's timeline of the server's requests")
     # A gate for tests: /generate requests wait while this file exists (runs held at a known point).
+    e.add_argument("--emu-node-fault", action="append", metavar="RANK:FAULT", default=None,
+                   help="a fault on node RANK of a server over several nodes only: never-join, or "
+                        "crash-after=S (its scheduler fails S s after the join); repeatable")
     e.add_argument("--emu-hold-while", metavar="PATH", default=None,
                    help="/generate requests wait while this file exists (tests hold runs at a known point)")
     return p
@@ -139,6 +149,40 @@ class Main:
         self.children: list[Child] = []
         self.dying = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.link: NodeLink | None = None  # a server over several nodes: the links to the others
+
+    # ------------------------------------------------------------------ several nodes
+    def peer_lost(self, text: str) -> None:
+        """Another node is gone (node 0's view): every later collective blocks, as NCCL's would."""
+        st = self.state
+        if st is not None:
+            st.hung = True
+            st.engine.halted = True
+
+    def follow(self) -> None:
+        """Node rank >= 1 after its schedulers are up: no HTTP, it waits on them (SGLang's
+        non-zero nodes do) and dies with them; a lost node 0 leaves it waiting."""
+        a = self.args
+        fault, after_s = node_fault(a)
+        log(f"node {a.node_rank} of {a.nnodes}: schedulers ready; node 0 serves HTTP")
+        crash_at = time.monotonic() + after_s if fault == "crash-after" else None
+        fds = {c.from_child: c for c in self.children if c.rank is not None}
+        while True:
+            timeout = None if crash_at is None else max(0.0, crash_at - time.monotonic())
+            ready, _, _ = select.select(list(fds), [], [], timeout)
+            if crash_at is not None and time.monotonic() >= crash_at:
+                crash_at = None
+                self.crash_scheduler("RuntimeError: emulated scheduler failure (--emu-node-fault "
+                                     f"{a.node_rank}:crash-after={after_s:g})")
+            for fd in ready:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    data = b""
+                if not data and not self.dying:
+                    time.sleep(0.5)  # a failing child's SIGQUIT first
+                    log(f"Scheduler or DataParallelController {fds[fd].pid} terminated with 1")
+                    self.kill_tree()
 
     # ------------------------------------------------------------------ dying like SGLang
     def kill_tree(self, include_parent: bool = True) -> None:
@@ -204,8 +248,9 @@ class Main:
         os._exit(0)
 
     def crash_scheduler(self, exc_line: str) -> None:
-        """Order rank 0 to raise ``exc_line``: it logs, SIGQUITs us, and we kill the tree."""
-        rank0 = next(c for c in self.children if c.rank == 0)
+        """Order this node's first rank (rank 0 on node 0) to raise ``exc_line``: it logs, SIGQUITs
+        us, and we kill the tree."""
+        rank0 = next(c for c in self.children if c.rank is not None)
         try:
             os.write(rank0.to_child, ("crash\t" + exc_line.replace("\n", "\\n") + "\n").encode())
         except OSError:
@@ -227,14 +272,16 @@ class Main:
 
     def start_children(self) -> list[dict[str, object]]:
         a = self.args
-        for rank in range(a.tp_size):
+        local = a.tp_size * a.pp_size // a.nnodes  # this node's ranks; one node: tp_size
+        for i in range(local):
+            rank = a.node_rank * local + i
             spec = RankSpec(
-                rank=rank, gpu=self.gpu_for_rank(rank), tp=a.tp_size, fraction=a.mem_fraction_static,
+                rank=rank, gpu=self.gpu_for_rank(i), tp=a.tp_size, fraction=a.mem_fraction_static,
                 load_time_s=a.emu_load_time, graph_time_s=a.emu_graph_time,
                 chunked_prefill_size=a.chunked_prefill_size, max_prefill_tokens=a.max_prefill_tokens,
                 max_running_requests=a.max_running_requests, context_length=a.context_length,
                 ignore_sigterm=a.emu_ignore_sigterm,
-                orphan=a.emu_orphan_on_crash and rank == a.tp_size - 1,
+                orphan=a.emu_orphan_on_crash and i == local - 1,
             )
             self.children.append(start_scheduler(spec, self.model))
         self.children.append(start_detokenizer(a.emu_ignore_sigterm))
@@ -336,7 +383,7 @@ class Main:
             await asyncio.sleep(a.emu_warmup_time)
             log("Prefill batch. #new-seq: 1, #new-token: 6, #cached-token: 0, token usage: 0.00, "
                 "#running-req: 0, #queue-req: 0, ", tp=0)
-        if st.phase == "starting":
+        if st.phase == "starting" and not (self.link is not None and self.link.lost.is_set()):
             st.phase = "ready"
             log("The server is fired up and ready to roll!")
         await asyncio.get_running_loop().create_future()
@@ -399,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     args.emu_launch_argv = given  # /server_info's launch_command, as SGLang reports sys.argv
+    refused = check_nodes(args)
+    if refused is not None:  # SGLang checks its parallel sizes before it loads anything
+        raw("Traceback (most recent call last):")
+        raw('  File "/sgl-workspace/sglang/python/sglang/launch_server.py", line 11, in <module>')
+        raw("    server_args = prepare_server_args(sys.argv[1:])")
+        raw(refused)
+        return 1
     if not 0 < (args.mem_fraction_static or 0.5) < 1:
         parser.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     try:
@@ -415,7 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     m = Main(args, model)
     signal.signal(signal.SIGQUIT, m.on_sigquit)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.emu_ignore_sigterm else m.on_sigterm)
+    if args.nnodes > 1:
+        m.link = join(args)
+        m.link.on_lost = m.peer_lost
+        m.link.watch()
     reports = m.start_children()
+    if args.node_rank > 0:
+        m.follow()
     rank0 = reports[0]
     m.check_host_memory(float(rank0["kv"]))  # type: ignore[arg-type]
     try:

@@ -115,7 +115,7 @@ class Fleet:
         else:
             self.members = [(url, ctx.for_server(cfg.for_url(url))) for url in cfg.server_urls]
         # one GPU-time ledger per server lifecycle (a shared server's counts its seconds, no GPUs)
-        self.ledgers = {name: Ledger(len(member.gpus) if member.launches else 0) for name, member in self.members}
+        self.ledgers = {name: Ledger(member.gpu_count if member.launches else 0) for name, member in self.members}
         self.goodput = GoodputWatch(cfg.goodput_warn_below, cfg.goodput_window_s)
         self._futures: list[PrefectFuture[ServerResult]] = []
         self._artifacts: dict[str, UUID] = {}
@@ -167,7 +167,7 @@ class Fleet:
     @property
     def gpus(self) -> int:
         """The GPUs of the run's launched servers (at least 1)."""
-        return max(1, sum(len(member.gpus) for _, member in self.members))
+        return max(1, sum(member.gpu_count for _, member in self.members))
 
     def ledger(self) -> RunLedger:
         """Where the run's GPU-time went so far, per server and in all (tasks/inference/_ledger.py)."""
@@ -306,7 +306,7 @@ class _Server:
     def __init__(self, ctx: RunContext, ledger: Ledger | None = None) -> None:
         self.ctx = ctx
         self.life = Lifecycle(budget=ctx.cfg.max_relaunches if ctx.launches else 0)
-        self.ledger = ledger if ledger is not None else Ledger(len(ctx.gpus) if ctx.launches else 0)
+        self.ledger = ledger if ledger is not None else Ledger(ctx.gpu_count if ctx.launches else 0)
         self.handle: ServerHandle | None = None
         self.fingerprint = ctx.fingerprint
         self.error: BaseException | None = None  # why it never became ready, or was refused
@@ -334,7 +334,7 @@ class _Server:
     def result(self, name: str, left_running: str) -> ServerResult:
         view = self.ledger.view()
         held = view.total_s if self.ctx.launches else 0.0  # hygiene to the end of the stop
-        return ServerResult(name, self.life.phase, self.life.relaunches, held * len(self.ctx.gpus), self.error,
+        return ServerResult(name, self.life.phase, self.life.relaunches, held * self.ctx.gpu_count, self.error,
                             left_running, view)
 
 
@@ -394,7 +394,7 @@ def _bring_up_failed(server: _Server, name: str, exc: Exception, pool: ServerPoo
     """A bring-up raised: try again once its lost host answers (within the budget), else the server
     never became ready (first bring-up) or is lost (a relaunch)."""
     ctx, life, logger = server.ctx, server.life, get_run_logger()
-    lost_host = ctx.launches and not reachable(ctx.target)
+    lost_host = ctx.launches and not nodes_reachable(ctx)
     unowned, server.unowned = server.unowned, None
     if unowned is not None:
         logger.warning("a failed launch on %s had started pid %s: its GPUs are cleaned when this "
@@ -450,7 +450,7 @@ def _bring_up(server: _Server) -> None:
     if not ctx.launches:
         steps(Bucket.HEALTH)
         server.fingerprint = identify_server(ctx)
-    elif life.phase is Phase.STARTING and server.handle is None and _adopted(server):
+    elif life.phase is Phase.STARTING and server.handle is None and len(ctx.nodes) == 1 and _adopted(server):
         _probe(server)
         return  # a dead run's server, kept by its guardian for this run: no hygiene, no launch
     else:
@@ -505,6 +505,9 @@ def _record_ready(server: _Server) -> None:
     runrecord.server_ready(ctx.run_id, handle.pid, target=ctx.target, pgid=handle.pgid, url=handle.url,
                            log=str(handle.log_path), plan=plan_key(ctx), port=_server_port(handle),
                            fraction=handle.fraction)
+    for rank in handle.ranks:  # nodes 1..: recorded too, each ended by its own leash should the run die
+        runrecord.server_ready(ctx.run_id, rank.pid, target=rank.target, pgid=rank.pid, url="",
+                               log=rank.log_path)
 
 
 def _server_port(handle: ServerHandle) -> int | None:
@@ -576,6 +579,8 @@ def _stop(server: _Server) -> None:
         server.handle = None
         with contextlib.suppress(OSError):  # the record is for recovery; a stopped server needs none
             runrecord.server_state(server.ctx.run_id, handle.pid, runrecord.ServerState.STOPPED, server.ctx.target)
+            for rank in handle.ranks:
+                runrecord.server_state(server.ctx.run_id, rank.pid, runrecord.ServerState.STOPPED, rank.target)
 
 
 def _tag_run(run_id: str | None, tag: str) -> None:
@@ -608,7 +613,7 @@ def _end(server: _Server, name: str) -> str:
                 hygiene(ctx, "after-failed-launch")
             return ""
         except Exception as exc:
-            if ctx.launches and host_wait.left > 0 and not reachable(ctx.target) and host_wait.wait():
+            if ctx.launches and host_wait.left > 0 and not nodes_reachable(ctx) and host_wait.wait():
                 continue
             handle = server.handle
             logger.error("server %s could not be stopped (%s): clean its GPUs once %s answers "
@@ -625,11 +630,13 @@ def _why_dropped(server: _Server, dog: Any) -> Drop:
         return Drop(DropKind.HUNG, hang_s=ctx.cfg.hang_timeout_s)
     if server.handle is None:
         return Drop(DropKind.GONE)
-    if not reachable(ctx.target):
+    if not nodes_reachable(ctx):
         return Drop(DropKind.HOST_UNREACHABLE)
     if not server.handle.route_open():
         return Drop(DropKind.ROUTE_LOST)
-    return Drop(DropKind.DIED, diagnose_server(ctx, _unlinked(server.handle)))
+    lost = getattr(dog, "lost_rank", None)
+    return Drop(DropKind.DIED, diagnose_server(ctx, _unlinked(server.handle)),
+                node=f"node {lost.rank} ({lost.host})" if lost is not None else "")
 
 
 def reachable(target: str) -> bool:
@@ -642,10 +649,15 @@ def reachable(target: str) -> bool:
         return False
 
 
+def nodes_reachable(ctx: RunContext) -> bool:
+    """Whether commands run on every host of the server (node 0 alone for a server on one host)."""
+    return all(reachable(node) for node in ctx.nodes)
+
+
 def _wait_reachable(ctx: RunContext, closing: threading.Event) -> bool:
     """Wait (backing off to 15 s between probes) until the server's host answers; False when the
     run ends first or ``run.host_wait_s`` passes."""
-    answered = poll_until(lambda: closing.is_set() or reachable(ctx.target), ctx.cfg.host_wait_s, 1.0, 15.0,
+    answered = poll_until(lambda: closing.is_set() or nodes_reachable(ctx), ctx.cfg.host_wait_s, 1.0, 15.0,
                           closing.wait)
     return answered and not closing.is_set()
 

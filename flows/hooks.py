@@ -41,7 +41,7 @@ def cleanup_hook(flow: Any, flow_run: Any, state: Any) -> None:
     if targets is None or gpus is None:
         try:
             cfg = load_partition(params.get("partition", "all"))
-            targets = list(cfg.targets) if targets is None else targets
+            targets = cfg.hosts() if targets is None else targets
             gpus = cfg.server_gpus() if gpus is None else gpus
             grace = cfg.hygiene_grace_s
         except Exception as exc:

@@ -105,6 +105,7 @@ class Drop:
     kind: DropKind
     failure: Failure | None = None
     hang_s: float = 0.0
+    node: str = ""  # a server over several nodes: the node whose rank died ("node 1 (gpu2)")
 
     @property
     def runtime_oom(self) -> bool:
@@ -117,7 +118,10 @@ class Drop:
         if self.kind is DropKind.ROUTE_LOST:
             return "connection to its host lost (the SSH port forward ended)"
         if self.kind is DropKind.DIED:
-            return f"died ({self.failure.kind if self.failure is not None else 'unknown'})"
+            why = self.failure.kind if self.failure is not None else "unknown"
+            if self.node:
+                return f"{self.node} died ({why}); the server was ended on every node"
+            return f"died ({why})"
         return str(self.kind)
 
 

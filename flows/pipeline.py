@@ -84,7 +84,7 @@ def opened_output(ctx: RunContext, progress: Progress) -> Iterator[OutputDir]:
 def gpu_hosts(ctx: RunContext) -> Iterator[None]:
     """Free what this machine's dead runs left, then hold ``gpu:<host>`` of each host the run
     launches on (none for shared servers)."""
-    targets = [s.target for s in ctx.cfg.servers()] if ctx.launches else []
+    targets = ctx.cfg.hosts() if ctx.launches else []
     if targets:
         _reclaim_dead_runs()
     with gpu_slots(targets, on_lease=_record_lease(ctx.run_id),
@@ -173,9 +173,10 @@ def _record_plan(ctx: RunContext) -> None:
     cfg, plan = ctx.cfg, ctx.plan
     target_gpus: dict[str, list[int]] = {}
     for slot in cfg.servers():
-        target_gpus.setdefault(slot.target, []).extend(cfg.for_server(slot).server_gpus())
+        for node in slot.nodes or (slot.target,):
+            target_gpus.setdefault(node, []).extend(cfg.for_server(slot).server_gpus())
     runrecord.planned(
-        ctx.run_id, partition=cfg.name, targets=list(cfg.targets), out_dir=str(plan.out_dir),
+        ctx.run_id, partition=cfg.name, targets=cfg.hosts(), out_dir=str(plan.out_dir),
         sim_gpus=plan.sim_gpus, shared_server=cfg.server_url is not None,
         gpus=sorted({g for gpus in target_gpus.values() for g in gpus}) or cfg.server_gpus(),
         target_gpus={t: sorted(set(g)) for t, g in target_gpus.items()},

@@ -92,8 +92,18 @@ class RunContext:
 
     @property
     def gpus(self) -> tuple[int, ...]:
-        """The GPUs the server uses: the only ones the run's hygiene touches."""
+        """The GPUs the server uses (on each of its nodes): the only ones the run's hygiene touches."""
         return tuple(self.cfg.server_gpus())
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every host of the server, node 0 (``target``) first: one for a server on one host."""
+        return self.cfg.server.nodes or (self.target,)
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs the server holds on all its nodes together (the ledger's GPU-seconds count these)."""
+        return len(self.gpus) * len(self.nodes)
 
     @property
     def fingerprint(self) -> str:

@@ -297,12 +297,42 @@ def _target_flags(entry: TargetServers, i: int, s: dict[str, Any], f: str, model
     return dataclasses.replace(entry, flags={k: getattr(launch, k) for k in entry.flags})
 
 
+def _entry_tp_size(s: dict[str, Any], entries: tuple[TargetServers, ...], f: str) -> dict[str, Any]:
+    """``[server]`` with the ``tp_size`` a targets entry gives (a multi-node server's spans its
+    nodes); it is the partition's, since every server of a run generates alike."""
+    given = [(i, e.tp_size) for i, e in enumerate(entries) if e.tp_size is not None]
+    if not given:
+        return s
+    i, tp = given[0]
+    for j, other in given[1:]:
+        if other != tp:
+            raise ConfigError(f"{f}: server.targets[{j}].tp_size: {other} differs from server.targets[{i}]."
+                              f"tp_size {tp}: every server of a run generates alike (one tp_size per partition)")
+    if "tp_size" in s and s["tp_size"] != tp:
+        raise ConfigError(f"{f}: server.targets[{i}].tp_size: {tp} differs from server.tp_size {s['tp_size']!r}: "
+                          "every server of a run generates alike; give it once")
+    return {**s, "tp_size": tp}
+
+
+def _check_nodes_launch(launch: ServerConfig, entry: TargetServers, i: int, f: str) -> None:
+    """A server over several nodes makes a launch SGLang accepts; else one line naming the key."""
+    flags = {k: v for k, v in entry.flags.items()}
+    gpus = entry.gpu_groups[0] if entry.gpu_groups else launch.gpus
+    try:
+        dataclasses.replace(launch, **flags, gpus=gpus, peer_nodes=entry.nodes[1:])
+    except ServerConfigError as exc:
+        where = {"tp_size": f"server.targets[{i}].tp_size", "gpus": f"server.targets[{i}].gpus",
+                 "peer_nodes": f"server.targets[{i}].nodes"}.get(exc.field or "", f"server.{exc.field}")
+        raise ConfigError(f"{f}: {where}: {str(exc).removeprefix('server config: ')}") from exc
+
+
 def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
     no_unknown(s, set(SERVER_KEYS), f, "server.")
     backend = s.get("backend", "sglang")
     if backend not in BACKENDS:
         raise ConfigError(f"{f}: server.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     entries = parse_targets(s.get("targets", ["local"]), f)
+    s = _entry_tp_size(s, entries, f)
     gpus = s.get("gpus")
     if gpus is not None:
         if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
@@ -347,6 +377,9 @@ def _parse_server(s: dict[str, Any], f: str, model_path: str) -> ServerSettings:
         raise ConfigError(f"{f}: server.allow_unauthenticated_bind: must be true or false")
     if any(e.flags for e in entries):
         entries = tuple(_target_flags(e, i, s, f, model_path) for i, e in enumerate(entries))
+    for i, e in enumerate(entries):
+        if e.nodes:
+            _check_nodes_launch(launch_cfg, e, i, f)
     return ServerSettings(
         launch=launch_cfg,
         targets=tuple(e.target for e in entries),

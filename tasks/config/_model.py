@@ -87,15 +87,22 @@ class ServerSettings:
     launch_deadline_s: float = 900.0
     allow_unauthenticated_bind: bool = False
     target_servers: tuple[TargetServers, ...] = ()
+    # one server's config (PartitionConfig.for_server) over several hosts: every node, node 0 first,
+    # and where the others join node 0 (tasks.config._servers.TargetServers)
+    nodes: tuple[str, ...] = ()
+    dist_init_host: str | None = None
+    dist_init_port: int | None = None
 
 
 # ServerConfig fields that are not [server] keys: they come from [model], the port above, the secrets.
 SERVER_GRACE_S = 180.0  # run.server_grace_s: a few minutes, what a restarted worker needs to come back
 
-NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port"})
+NOT_SERVER_KEYS = frozenset({"model_path", "reasoning_parser", "api_key", "port",
+                             "peer_nodes", "dist_init_addr", "node_rank"})
+_ONE_SERVER_KEYS = frozenset({"launch", "target_servers", "nodes", "dist_init_host", "dist_init_port"})
 # Every [server] key: ServerConfig's launch settings and the partition's own.
 SERVER_KEYS = frozenset({f.name for f in dataclasses.fields(ServerConfig)} - NOT_SERVER_KEYS
-                        | {f.name for f in dataclasses.fields(ServerSettings)} - {"launch", "target_servers"})
+                        | {f.name for f in dataclasses.fields(ServerSettings)} - _ONE_SERVER_KEYS)
 
 
 def _input_datasets(inputs: tuple[str, ...], where: str) -> dict[str, Path]:
@@ -169,6 +176,12 @@ class PartitionConfig:
             return []
         return slots_of(self.server.target_servers, self.server.targets, self.server.port)
 
+    def hosts(self) -> list[str]:
+        """Every target the partition launches on, each node of a server over several nodes
+        included (node 0s are ``targets``): what the run holds ``gpu:<host>`` of and cleans."""
+        nodes = dict.fromkeys(n for slot in self.servers() for n in (slot.nodes or (slot.target,)))
+        return list(nodes) or list(self.targets)
+
     def for_server(self, slot: ServerSlot) -> PartitionConfig:
         """This config as the single-server config of ``slot``: its target, GPUs, port and flags.
 
@@ -176,9 +189,11 @@ class PartitionConfig:
             ServerConfigError: the flags or GPUs make an invalid launch (e.g. fewer GPUs than tp_size).
         """
         launch = self.server.launch
-        launch = dataclasses.replace(launch, gpus=slot.gpus if slot.gpus is not None else launch.gpus, **slot.flags)
+        launch = dataclasses.replace(launch, gpus=slot.gpus if slot.gpus is not None else launch.gpus,
+                                     peer_nodes=slot.nodes[1:], **slot.flags)
         server = dataclasses.replace(self.server, launch=launch, targets=(slot.target,), target_servers=(),
-                                     port=slot.port)
+                                     port=slot.port, nodes=slot.nodes, dist_init_host=slot.dist_init_host,
+                                     dist_init_port=slot.dist_init_port)
         return dataclasses.replace(self, server=server)
 
     def for_url(self, url: str) -> PartitionConfig:

@@ -9,6 +9,17 @@ An entry is a target string (one server on the GPUs of ``server.gpus``) or a tab
 first server's port on that target (the next servers count up from it); ``flags`` are ``[server]``
 launch keys for this target's servers only (e.g. ``python``, ``host``, ``env``,
 ``max_running_requests``, ``mem_fraction_static``), never one the rows' ``server`` fingerprint holds.
+
+One server over several hosts (SGLang's ``--nnodes``) is a table with ``nodes`` instead of ``target``::
+
+    { nodes = ["ssh://gpu1", "ssh://gpu2"], gpus = [0, 1, 2, 3, 4, 5, 6, 7], tp_size = 16,
+      dist_init_host = "10.0.0.1", dist_init_port = 25000 }
+
+``nodes[0]`` is node 0 (it serves HTTP); ``gpus`` is one list, the same on every node (default
+0..tp_size x pp_size / nodes - 1); ``tp_size`` (also allowed on a one-host entry) is the
+partition's: every server of a run generates alike. ``dist_init_host`` is the address the other
+nodes reach node 0 at (default: node 0's host name); ``dist_init_port`` the port there (default: a
+free one, picked at each launch). docs/configuration.md, "A server over several nodes".
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ FLAG_EXCLUDED = frozenset({"backend", "gpus", "targets", "port", "api_key_secret
 # ...nor what the rows' `server` fingerprint holds: every server of a run must generate alike, since
 # a shard mixes rows of every server (and validation refuses mixed fingerprints).
 FINGERPRINT_KEYS = frozenset({"tp_size", "served_model_name", "context_length", "extra_args"})
-_ENTRY_KEYS = {"target", "gpus", "port", "flags"}
+_ENTRY_KEYS = {"target", "gpus", "port", "flags", "nodes", "tp_size", "dist_init_host", "dist_init_port"}
+MAX_NODES = 64  # nodes of one server (tasks.server._config.MAX_NODES)
 REMOTE_PORT = DEFAULT_PORT  # a remote server's port when the partition names none (its host's loopback)
 
 
@@ -42,12 +54,20 @@ class TargetServers:
         gpu_groups: one GPU tuple per server; None: one server on ``server.gpus``.
         port: the first server's port (None: ``server.port``).
         flags: ``[server]`` launch keys for these servers (raw values; checked by the loader).
+        nodes: the hosts of one server over several nodes (``target`` is ``nodes[0]``); () for one host.
+        tp_size: the entry's ``tp_size`` (the partition's; None: not given here).
+        dist_init_host: the address the other nodes reach node 0 at (None: node 0's host name).
+        dist_init_port: the port of ``--dist-init-addr`` on node 0 (None: a free one per launch).
     """
 
     target: str
     gpu_groups: tuple[tuple[int, ...], ...] | None = None
     port: int | None = None
     flags: Mapping[str, Any] = field(default_factory=dict)
+    nodes: tuple[str, ...] = ()
+    tp_size: int | None = None
+    dist_init_host: str | None = None
+    dist_init_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,8 @@ class ServerSlot:
         port: its port (0: a free one, picked at launch).
         flags: ``[server]`` launch keys that differ from the partition's.
         index: its position among its target's servers.
+        nodes: every node of a server over several hosts, node 0 (``target``) first; () for one host.
+        dist_init_host, dist_init_port: see ``TargetServers``.
     """
 
     target: str
@@ -67,13 +89,21 @@ class ServerSlot:
     port: int
     flags: Mapping[str, Any] = field(default_factory=dict)
     index: int = 0
+    nodes: tuple[str, ...] = ()
+    dist_init_host: str | None = None
+    dist_init_port: int | None = None
 
     def label(self, gpus: tuple[int, ...] | list[int] | None = None) -> str:
-        """``host[gpu 0,1]``: how logs, task runs and reports name this server."""
-        t = parse_target(self.target)
-        host = "local" if t.is_local else f"{t.host}" + (f"/{t.ctid}" if t.ctid is not None else "")
+        """``host[gpu 0,1]`` (``host1+host2[gpu 0,1]`` over several nodes): how logs, task runs and
+        reports name this server."""
+        host = "+".join(_host_label(t) for t in (self.nodes or (self.target,)))
         shown = self.gpus if gpus is None else gpus
         return f"{host}[gpu {','.join(str(g) for g in shown)}]" if shown else host
+
+
+def _host_label(target: str) -> str:
+    t = parse_target(target)
+    return "local" if t.is_local else f"{t.host}" + (f"/{t.ctid}" if t.ctid is not None else "")
 
 
 MAX_TARGETS = 256  # hosts of one partition; a fleet larger than this is several partitions
@@ -107,9 +137,11 @@ def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
         if not isinstance(item, dict):
             raise ConfigError(f"{f}: {key}: a target string or a table with `target`")
         no_unknown(item, _ENTRY_KEYS, f, f"{key}.")
-        target = item.get("target")
+        nodes = _nodes(item, f, key)
+        target = nodes[0] if nodes else item.get("target")
         if not isinstance(target, str) or not target:
-            raise ConfigError(f"{f}: {key}.target: required (local, ssh://host or pct://host/CTID)")
+            raise ConfigError(f"{f}: {key}.target: required (local, ssh://host or pct://host/CTID), or "
+                              "`nodes` for one server over several hosts")
         check_target(target, f)
         flags = item.get("flags", {})
         if not isinstance(flags, dict):
@@ -124,12 +156,54 @@ def parse_targets(raw: Any, f: str) -> tuple[TargetServers, ...]:
         port = item.get("port")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535):
             raise ConfigError(f"{f}: {key}.port: {port!r} is not a TCP port")
-        out.append(TargetServers(target, _gpu_groups(item.get("gpus"), f, f"{key}.gpus"), port, dict(flags)))
-    seen = [str(parse_target(t.target)) for t in out]
+        groups = _gpu_groups(item.get("gpus"), f, f"{key}.gpus")
+        if nodes and groups is not None and len(groups) > 1:
+            raise ConfigError(f"{f}: {key}.gpus: one server spans the nodes: one GPU list, the same on every "
+                              "node (e.g. gpus = [0, 1, 2, 3, 4, 5, 6, 7])")
+        tp = item.get("tp_size")
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ConfigError(f"{f}: {key}.tp_size: {tp!r} is not a positive integer")
+        init_host, init_port = item.get("dist_init_host"), item.get("dist_init_port")
+        if (init_host is not None or init_port is not None) and not nodes:
+            raise ConfigError(f"{f}: {key}.{'dist_init_host' if init_host is not None else 'dist_init_port'}: "
+                              "only a server over several `nodes` has a --dist-init-addr")
+        if init_host is not None and (not isinstance(init_host, str) or not init_host.strip() or ":" in init_host
+                                      or any(c.isspace() for c in init_host)):
+            raise ConfigError(f"{f}: {key}.dist_init_host: {init_host!r} is not a host name or IPv4 address "
+                              "(the address the other nodes reach node 0 at)")
+        if init_port is not None and (isinstance(init_port, bool) or not isinstance(init_port, int)
+                                      or not 0 < init_port <= 65535):
+            raise ConfigError(f"{f}: {key}.dist_init_port: {init_port!r} is not a TCP port")
+        out.append(TargetServers(target, groups, port, dict(flags), nodes, tp, init_host, init_port))
+    seen = [str(parse_target(n)) for t in out for n in (t.nodes or (t.target,))]
     if len(set(seen)) != len(seen):
-        raise ConfigError(f"{f}: server.targets: a target is listed twice (list its servers' GPU groups "
-                          "in one entry: gpus = [[0, 1], [2, 3]])")
+        twice = next(n for n in seen if seen.count(n) > 1)
+        raise ConfigError(f"{f}: server.targets: {twice} is listed twice (list its servers' GPU groups "
+                          "in one entry: gpus = [[0, 1], [2, 3]]; a node of a server over several hosts "
+                          "serves that server only)")
     return tuple(out)
+
+
+def _nodes(item: dict[str, Any], f: str, key: str) -> tuple[str, ...]:
+    """The ``nodes`` of an entry, checked (() when it has none)."""
+    raw = item.get("nodes")
+    if raw is None:
+        return ()
+    if "target" in item:
+        raise ConfigError(f"{f}: {key}: `target` or `nodes`, not both (nodes[0] is the server's node 0)")
+    if not isinstance(raw, list) or len(raw) < 2 or not all(isinstance(n, str) and n for n in raw):
+        raise ConfigError(f"{f}: {key}.nodes: a list of at least 2 target strings, node 0 first "
+                          '(e.g. nodes = ["ssh://gpu1", "ssh://gpu2"]); one host is `target`')
+    if len(raw) > MAX_NODES:
+        raise ConfigError(f"{f}: {key}.nodes: {len(raw)} nodes; at most {MAX_NODES}")
+    for i, node in enumerate(raw):
+        if len(node) > MAX_TARGET_CHARS:
+            raise ConfigError(f"{f}: {key}.nodes[{i}]: a target of {len(node)} characters; at most {MAX_TARGET_CHARS}")
+        try:
+            parse_target(node)
+        except ValueError as exc:
+            raise ConfigError(f"{f}: {key}.nodes[{i}]: {exc}") from exc
+    return tuple(raw)
 
 
 def _gpu_groups(value: Any, f: str, key: str) -> tuple[tuple[int, ...], ...] | None:
@@ -168,5 +242,6 @@ def slots_of(entries: tuple[TargetServers, ...], targets: tuple[str, ...], port:
                 p = base + i
             else:
                 p = 0 if local else REMOTE_PORT + i
-            slots.append(ServerSlot(entry.target, gpus, p, dict(entry.flags), i))
+            slots.append(ServerSlot(entry.target, gpus, p, dict(entry.flags), i, entry.nodes,
+                                    entry.dist_init_host, entry.dist_init_port))
     return slots

@@ -14,6 +14,7 @@ from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
 from tasks.run import RunContext
 from tasks.server import DEFAULT_PORT
+from tasks.targets import host_of
 
 __all__ = ["hygiene", "no_gpu_ways"]
 
@@ -39,19 +40,30 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
         NoGpus: no GPU can be read on the target (not retried: the message says what to run instead).
         GpusNotClean: not verified clean (retried).
     """
-    report = clean_gpus(target=ctx.target, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
+    reports = [_clean_node(ctx, phase, node) for node in ctx.nodes]  # a server over several nodes: each
+    for node, report in zip(ctx.nodes, reports, strict=True):
+        host = host_of(node)
+        if report.backend == "none":
+            emulator = ctx.cfg.server.launch.backend == "emulator"
+            raise NoGpus(f"no GPU can be read on {host} ({report.error}); "
+                         + ("set [sim_gpus] in the partition or DATAGEN_SIM_GPUS to simulated GPUs for the emulator"
+                            if emulator else no_gpu_ways(ctx.cfg.model_path)), report)
+        if not report.clean:
+            raise GpusNotClean(f"GPUs on {host} not verified clean ({report.verdict}):\n{report.summary()}")
+    if len(reports) == 1:
+        return reports[0].to_dict()
+    return {"nodes": {node: report.to_dict() for node, report in zip(ctx.nodes, reports, strict=True)}}
+
+
+def _clean_node(ctx: RunContext, phase: str, node: str) -> Any:
+    """Clean and verify the server's GPUs on one of its hosts; logged and published per host."""
+    host = host_of(node)
+    report = clean_gpus(target=node, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
     report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # said once per run (prepare-output)
     summary = report.summary()
     verdict = report.verdict.upper().replace("_", " ")
-    get_run_logger().info("hygiene %s on %s: %s", phase, ctx.host, summary)
-    markdown(f"# GPU hygiene ({phase}) on `{ctx.host}`\n\nverdict: **{verdict}**\n\n```\n{summary}\n```\n",
-             key=artifact_key("hygiene", phase, ctx.cfg.name, ctx.host),
-             description=f"{verdict}: hygiene {phase} on {ctx.host} {gpu_label(ctx.gpus)}")
-    if report.backend == "none":
-        emulator = ctx.cfg.server.launch.backend == "emulator"
-        raise NoGpus(f"no GPU can be read on {ctx.host} ({report.error}); "
-                     + ("set [sim_gpus] in the partition or DATAGEN_SIM_GPUS to simulated GPUs for the emulator"
-                        if emulator else no_gpu_ways(ctx.cfg.model_path)), report)
-    if not report.clean:
-        raise GpusNotClean(f"GPUs on {ctx.host} not verified clean ({report.verdict}):\n{summary}")
-    return report.to_dict()
+    get_run_logger().info("hygiene %s on %s: %s", phase, host, summary)
+    markdown(f"# GPU hygiene ({phase}) on `{host}`\n\nverdict: **{verdict}**\n\n```\n{summary}\n```\n",
+             key=artifact_key("hygiene", phase, ctx.cfg.name, host),
+             description=f"{verdict}: hygiene {phase} on {host} {gpu_label(ctx.gpus)}")
+    return report

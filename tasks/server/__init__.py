@@ -26,10 +26,12 @@ from tasks.server._config import (
 )
 from tasks.server._launch import (
     HygieneFn,
+    NodeRank,
     ServerHandle,
     StopFailed,
     adopt_running,
     launch,
+    on_node,
     stop_server,
 )
 from tasks.server._leash import guardian_state
@@ -105,6 +107,8 @@ __all__ = [
     "describe_key",
     "gpu_model_name",
     "launch",
+    "NodeRank",
+    "on_node",
     "launch_argv",
     "launch_env",
     "launch_tuned",

@@ -19,7 +19,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from tasks.errors import DatagenError
@@ -55,8 +55,11 @@ _MANAGED_FLAGS = frozenset(
         "--enable-hierarchical-cache", "--hicache-size", "--hicache-ratio",
         "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
         "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--trust-remote-code",
+        # a server over several nodes: the launcher derives these per node (docs/configuration.md)
+        "--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr",
     }
 )
+MAX_NODES = 64  # nodes of one server; SGLang has no bound, a bound keeps a typo from fanning out
 
 
 class ServerError(DatagenError, RuntimeError):
@@ -106,7 +109,13 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     backend: Backend = "sglang"
     python: str = sys.executable
-    gpus: tuple[int, ...] | None = None
+    gpus: tuple[int, ...] | None = None  # on every node of a multi-node server
+    # a server over several nodes: node 0 is the launch's target, these are nodes 1.. (target strings);
+    # ``dist_init_addr`` (node 0's HOST:PORT the others join) is picked per launch; ``node_rank`` is
+    # the node a command line is for (``for_node``)
+    peer_nodes: tuple[str, ...] = ()
+    dist_init_addr: str | None = None
+    node_rank: int = 0
     # repr=False: the flow puts the hub token (HF_TOKEN) here; a logged config must not show it
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -166,11 +175,32 @@ class ServerConfig:
                     f"server config: extra_args contains {flag}, which the launcher sets itself; "
                     "use the config field instead", "extra_args"
                 )
+        if len(self.peer_nodes) + 1 > MAX_NODES:
+            raise bad("peer_nodes", f"{len(self.peer_nodes) + 1} nodes; at most {MAX_NODES}")
+        if len(set(self.peer_nodes)) != len(self.peer_nodes):
+            raise bad("peer_nodes", "a node is listed twice")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1:
+            ranks = self.tp_size * self.pp_size
+            if ranks % self.nnodes:
+                raise bad("tp_size", f"tp_size x pp_size = {ranks} is not a multiple of the {self.nnodes} nodes "
+                                     "(SGLang: tp_size must be divisible by number of nodes)")
+            if self.dp_size > 1:
+                raise bad("extra_args", f"--dp-size {self.dp_size} over {self.nnodes} nodes: SGLang has no "
+                                        "multi-node data-parallel replicas (use one server per node instead)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise bad("dist_init_addr", "must be HOST:PORT")
         if self.gpus is not None:
             if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
                 raise bad("gpus", "must be distinct non-negative GPU indexes")
-            if len(self.gpus) < self.tp_size:
-                raise bad("gpus", f"tp_size={self.tp_size} needs at least that many GPUs")
+            if len(self.gpus) < self.gpus_per_node:
+                need = (f"tp_size={self.tp_size} needs at least that many GPUs" if self.nnodes == 1 else
+                        f"tp_size={self.tp_size} x pp_size={self.pp_size} over {self.nnodes} nodes needs "
+                        f"{self.gpus_per_node} GPUs on each node")
+                raise bad("gpus", need)
 
     @property
     def url(self) -> str:
@@ -180,9 +210,47 @@ class ServerConfig:
     def module(self) -> str:
         return "sglang.launch_server" if self.backend == "sglang" else "emulator"
 
+    @property
+    def nnodes(self) -> int:
+        """The nodes the server spans (1: one host)."""
+        return 1 + len(self.peer_nodes)
+
+    @property
+    def pp_size(self) -> int:
+        """``--pp-size`` of ``extra_args`` (1 when not given)."""
+        return _int_flag(self.extra_args, ("--pp-size", "--pipeline-parallel-size"), 1)
+
+    @property
+    def dp_size(self) -> int:
+        """``--dp-size`` of ``extra_args`` (1 when not given)."""
+        return _int_flag(self.extra_args, ("--dp-size", "--data-parallel-size"), 1)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs the server uses on each node: tp_size on one host; tp x pp / nodes over several."""
+        return self.tp_size if self.nnodes == 1 else self.tp_size * self.pp_size // self.nnodes
+
     def gpu_indexes(self) -> list[int]:
-        """The GPUs the server uses: the configured ones, else 0..tp_size-1."""
-        return list(self.gpus[: self.tp_size]) if self.gpus is not None else list(range(self.tp_size))
+        """The GPUs the server uses (on each of its nodes): the configured ones, else 0..n-1."""
+        n = self.gpus_per_node
+        return list(self.gpus[:n]) if self.gpus is not None else list(range(n))
+
+    def for_node(self, rank: int) -> ServerConfig:
+        """The config of node ``rank``'s command line (the same command, its own ``--node-rank``)."""
+        return replace(self, node_rank=rank)
+
+
+def _int_flag(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
+    """The integer value of the last of ``names`` in ``args`` (``--x N`` or ``--x=N``), else
+    ``default`` (also when it is not an integer: SGLang refuses that itself)."""
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, text = arg.partition("=")
+        if name in names:
+            raw = text if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if raw.strip().isdigit():
+                value = int(raw)
+    return value
 
 
 def format_fraction(fraction: float) -> str:
@@ -230,6 +298,10 @@ def server_flags(cfg: ServerConfig, fraction: float | None) -> list[str]:
         ):
             if value is not None:
                 args += [flag, str(value)]
+    if cfg.nnodes > 1:
+        args += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+        if cfg.dist_init_addr is not None:
+            args += ["--dist-init-addr", cfg.dist_init_addr]
     args += list(cfg.extra_args)
     return args
 

@@ -20,9 +20,10 @@ import os
 import re
 import shlex
 import subprocess
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ from tasks.server._log import (
     parse_progress,
 )
 from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
-from tasks.targets import parse_target
+from tasks.targets import host_of, parse_target, run_command, start_detached
 
 __all__ = [
     "API_KEY_ENV",
@@ -72,6 +73,7 @@ __all__ = [
     "FailureKind",
     "HygieneFn",
     "LaunchFailed",
+    "NodeRank",
     "ServerConfig",
     "ServerConfigError",
     "ServerError",
@@ -99,6 +101,53 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
+class NodeRank:
+    """Node ``rank`` (1..) of a server over several nodes: the same command as node 0 with its own
+    ``--node-rank``, leading its own session on its node, on its own leash (tasks/server/_leash.py).
+    It serves no HTTP: SGLang's node ranks >= 1 run their schedulers only."""
+
+    rank: int
+    target: str
+    pid: int
+    log_path: str
+    _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _leash: Leash | None = field(default=None, repr=False)
+
+    @property
+    def host(self) -> str:
+        return host_of(self.target)
+
+    def is_alive(self) -> bool:
+        """Whether its main process runs (an SSH failure reads as alive: see _remote.is_alive)."""
+        if self._popen is not None:
+            return self._popen.poll() is None
+        if not _is_local(self.target):
+            return server_remote.is_alive(self.target, self.pid)
+        return bool(live_pids([self.pid]))
+
+    def read_log(self, max_bytes: int = 4 << 20) -> str:
+        if not _is_local(self.target):
+            return server_remote.read_log(self.target, self.log_path, max_bytes)
+        return _tail(self.log_path, max_bytes)
+
+    def kill(self, grace_s: float, leader_first_s: float) -> list[int]:
+        """End its process group as a stop ends node 0's; returns the pids seen."""
+        if _is_local(self.target):
+            return list(terminate_group(self.pid, grace_s, leader=self._popen, leader_first_s=leader_first_s).seen)
+        server_remote.kill_group(self.target, self.pid, grace_s, leader_first_s)
+        return [self.pid]
+
+    def release(self) -> None:
+        if self._leash is not None:
+            with contextlib.suppress(Exception):
+                self._leash.release()
+            self._leash = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "target": self.target, "pid": self.pid, "log_path": self.log_path}
+
+
+@dataclass(eq=False)
 class ServerHandle:
     """A server datagen started and saw ready. ``pid`` leads its own session: ``pgid == pid``."""
 
@@ -117,6 +166,17 @@ class ServerHandle:
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _tunnel: server_remote.Tunnel | None = field(default=None, repr=False)
     _leash: Leash | None = field(default=None, repr=False)  # ends the group if this process dies
+    ranks: list[NodeRank] = field(default_factory=list)  # nodes 1.. of a server over several nodes
+    lost_rank: NodeRank | None = None  # the node rank whose death took the server down (the watchdog's)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every node of the server, node 0 (``target``) first."""
+        return [self.target, *(r.target for r in self.ranks)]
+
+    def dead_rank(self) -> NodeRank | None:
+        """The first node rank >= 1 whose process has ended (None: all run, or one host)."""
+        return next((r for r in self.ranks if not r.is_alive()), None)
 
     @property
     def member_pids(self) -> list[int]:
@@ -133,7 +193,11 @@ class ServerHandle:
         return self._popen is None and not _is_local(self.target)
 
     def is_alive(self) -> bool:
-        """Whether the server's main process still runs (a zombie counts as dead)."""
+        """Whether the server's main process still runs (a zombie counts as dead), and over several
+        nodes every node's: one rank gone is the whole server gone (its collectives hang)."""
+        return self._head_alive() and self.dead_rank() is None
+
+    def _head_alive(self) -> bool:
         if self._popen is not None:
             return self._popen.poll() is None
         if self.is_remote:
@@ -154,16 +218,21 @@ class ServerHandle:
         return self._popen.poll() if self._popen is not None else None
 
     def read_log(self, max_bytes: int = 4 << 20) -> str:
-        """The server log (its last ``max_bytes``), from the target."""
+        """The server log (its last ``max_bytes``), from the target (node 0's over several nodes)."""
         if self.is_remote:
             return server_remote.read_log(self.target, self.log_path, max_bytes)
-        try:
-            with os.fdopen(open_below(self.log_path, os.O_RDONLY), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+        return _tail(self.log_path, max_bytes)
+
+    def failure(self) -> tuple[NodeRank | None, str, int | None]:
+        """Where to read why the server ended: the first dead node rank >= 1 (its log; its status is
+        not known here), else node 0 (its log and exit status)."""
+        dead = self.lost_rank or self.dead_rank()
+        if dead is not None:
+            try:
+                return dead, dead.read_log(), None
+            except Exception as exc:  # its node may be the one lost
+                return dead, f"(log of node {dead.rank} unreadable: {exc})", None
+        return None, self.read_log(), self.exit_status()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,7 +240,18 @@ class ServerHandle:
             "fraction": self.fraction, "target": self.target, "headroom_gib": self.headroom_gib,
             "progress": self.progress.to_dict(), "ready_s": round(self.ready_s, 3), "gpus": self.gpus,
             "command": redact(self.command, self.api_key),
+            **({"ranks": [r.to_dict() for r in self.ranks]} if self.ranks else {}),
         }
+
+
+def _tail(path: str, max_bytes: int) -> str:
+    try:
+        with os.fdopen(open_below(path, os.O_RDONLY), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 class StopFailed(ServerError):
@@ -228,6 +308,8 @@ def launch(
     adopt it (:func:`adopt_running`); 0: its guardian ends it at once (tasks/server/_leash.py).
     """
     shown = build_command(cfg, fraction)
+    if cfg.peer_nodes:
+        keep_s = 0.0  # a server over several nodes is not adopted by a later run: it ends with its run
     if _is_local(target):
         handle = _start_local(cfg, fraction, Path(log_dir), shown)
         _put_on_leash(handle, lambda: _kill_group(handle, grace_s=5.0), keep_s)
@@ -260,14 +342,87 @@ def launch(
 
         _put_on_leash(handle, kill_remote, keep_s)
     try:
+        if cfg.peer_nodes:
+            handle.ranks = _start_ranks(cfg, fraction, log_dir, handle.log_path)
         _await_ready(handle, cfg, deadline_s, on_progress, health_timeout_s)
     except BaseException:
+        if cfg.peer_nodes:  # whatever was started on any node ends with the failed launch
+            with contextlib.suppress(Exception):
+                _kill_group(handle, grace_s=5.0)
         _close_tunnel(handle)
         _release_leash(handle)
         raise
     if not handle.is_remote:
         handle._members = [i for i in map(ProcessIdentity.of, group_pids(handle.pgid)) if i is not None]
     return handle
+
+
+def _start_ranks(cfg: ServerConfig, fraction: float | None, log_dir: str | os.PathLike[str],
+                 head_log: str) -> list[NodeRank]:
+    """Start nodes 1.. of a server over several nodes, each on its own leash: the same command with
+    its own ``--node-rank``, its log beside node 0's (``...-node<R>.log``) on its node. A node that
+    cannot be started or leashed ends the ones already started and raises."""
+    ranks: list[NodeRank] = []
+    try:
+        for rank, node in enumerate(cfg.peer_nodes, start=1):
+            ranks.append(_start_rank(cfg.for_node(rank), rank, node, fraction, log_dir,
+                                     f"{Path(head_log).name.removesuffix('.log')}-node{rank}.log"))
+    except BaseException:
+        _each(lambda r: r.kill(5.0, 0.0), ranks)
+        for r in ranks:
+            r.release()
+        raise
+    return ranks
+
+
+def _start_rank(cfg: ServerConfig, rank: int, node: str, fraction: float | None,
+                log_dir: str | os.PathLike[str], name: str) -> NodeRank:
+    argv = launch_argv(cfg, fraction)
+    if _is_local(node):
+        log_path = Path(log_dir) / name
+        with os.fdopen(open_below(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, create_dir=True), "ab") as logf:
+            logf.write(f"# datagen launch, node {rank}: {shlex.join(build_command(cfg, fraction))}\n".encode())
+            logf.flush()
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                     env=launch_env(cfg), start_new_session=True, close_fds=True)
+        r = NodeRank(rank, node, popen.pid, str(log_path), _popen=popen)
+    else:
+        t = parse_target(node)
+        log_path = f"{log_dir}/{name}"
+        run_command(t, ["mkdir", "-p", str(log_dir)], timeout_s=30)
+        r = NodeRank(rank, node, start_detached(t, argv, log_path, env=launch_env(cfg, base={})), log_path)
+    log.info("launched node %d of %d on %s (pid %d, log %s)", rank, cfg.nnodes, node, r.pid, r.log_path)
+    try:
+        r._leash = leash(node, r.pid, keep_s=0.0)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            r.kill(5.0, 0.0)
+        raise
+    return r
+
+
+def _each(fn: Callable[[NodeRank], Any], ranks: Iterable[NodeRank]) -> list[Any]:
+    """``fn`` on every rank at once (each in its own thread: a node's SSH round trips do not wait
+    for another's); returns the results in order, raising the first error once all have ended."""
+    ranks = list(ranks)
+    results: list[Any] = [None] * len(ranks)
+    errors: list[BaseException] = []
+
+    def run(i: int, r: NodeRank) -> None:
+        try:
+            results[i] = fn(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, r), name=f"datagen-node-{r.rank}", daemon=True)
+               for i, r in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _put_on_leash(handle: ServerHandle, kill: Callable[[], Any], keep_s: float = 0.0) -> None:
@@ -323,6 +478,8 @@ def _release_leash(handle: ServerHandle) -> None:
         with contextlib.suppress(Exception):
             handle._leash.release()
         handle._leash = None
+    for r in handle.ranks:
+        r.release()
 
 
 def _tell_started(on_started: Callable[[int, int], None] | None, pid: int, pgid: int,
@@ -465,20 +622,32 @@ def _read_log_from(handle: ServerHandle, offset: int) -> tuple[str, int]:
 
 
 def _raise_exited(handle: ServerHandle) -> None:
-    status = handle.exit_status()
-    text = handle.read_log()
-    # The group may still hold children (an orphaned scheduler): never leave them behind.
+    dead, text, status = handle.failure()
+    # The group may still hold children (an orphaned scheduler): never leave them behind; over
+    # several nodes, every node's ranks end with the one that exited.
     _kill_group(handle, grace_s=5.0)
-    _raise(handle, classify_failure(text, status), text, status)
+    failure = classify_failure(text, status)
+    if dead is not None:
+        failure = on_node(failure, dead)
+    _raise(handle, failure, text, status)
+
+
+def on_node(failure: Failure, rank: NodeRank) -> Failure:
+    """``failure`` read from node ``rank``'s log, saying so."""
+    return replace(failure, explanation=f"node {rank.rank} ({rank.host}) of the server ended: {failure.explanation}")
 
 
 def _raise_timeout(handle: ServerHandle, deadline_s: float) -> None:
     _kill_group(handle, grace_s=5.0)
     text = handle.read_log()
+    nodes = (f"; over {len(handle.ranks) + 1} nodes every node must join node 0 at --dist-init-addr "
+             f"{_flag(handle.command, '--dist-init-addr')} (reachable from each node, the same command): "
+             "check each node's log" if handle.ranks else "")
     failure = Failure(
         "timeout",
         f"not ready within {deadline_s:g} s (last phase: {handle.progress.phase}); the process group was "
-        "killed: check the log for a hang, or raise the launch deadline for a large model",
+        f"killed{' on every node' if handle.ranks else ''}: check the log for a hang, or raise the launch "
+        f"deadline for a large model{nodes}",
         next((ln for ln in reversed(text.splitlines()) if ln.strip()), "").strip()[:500],
     )
     _raise(handle, failure, text, handle.exit_status())
@@ -501,8 +670,37 @@ def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None
 LEADER_FIRST_S = 20.0
 
 
+def _flag(command: list[str], name: str) -> str:
+    return next((v for f, v in zip(command, command[1:], strict=False) if f == name), "?")
+
+
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
-    """SIGTERM the leader, then the group, within ``grace_s``; SIGKILL survivors. Returns every pid seen."""
+    """SIGTERM the leader, then the group, within ``grace_s``; SIGKILL survivors. Returns every pid
+    seen. Over several nodes every node's group is ended at once, node 0's in this thread."""
+    if not handle.ranks:
+        return _kill_head(handle, grace_s)
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def ranks_run() -> None:
+        try:
+            seen.extend(p for pids in _each(lambda r: r.kill(grace_s, min(grace_s / 2, LEADER_FIRST_S)),
+                                            handle.ranks) for p in pids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ranks = threading.Thread(target=ranks_run, name="datagen-node-kill", daemon=True)
+    ranks.start()
+    try:
+        head = _kill_head(handle, grace_s)
+    finally:
+        ranks.join()
+    if errors:
+        raise errors[0]
+    return head + seen
+
+
+def _kill_head(handle: ServerHandle, grace_s: float) -> list[int]:
     leader_first_s = min(grace_s / 2, LEADER_FIRST_S)
     if handle.is_remote:
         server_remote.kill_group(handle.target, handle.pgid, grace_s, leader_first_s)
@@ -547,12 +745,17 @@ def stop_server(
     log.info("server %s (pgid %d) stopped; pids %s", handle.url, handle.pgid, pids)
     if hygiene is None:
         return None
-    report = hygiene(handle.target, handle.gpus, sorted(set(pids) | set(handle.member_pids)), min(grace_s, 10.0))
-    verdict = getattr(report, "verdict", "clean" if getattr(report, "clean", False) else "unknown")
-    if verify and verdict != "clean":
-        summary = report.summary() if hasattr(report, "summary") else str(report)
-        raise StopFailed(f"server {handle.url} stopped but GPUs {handle.gpus} are {verdict}:\n{summary}", report)
-    return report
+    # every node's GPUs, each verified (a rank's memory is on its own node)
+    nodes = [(handle.target, sorted(set(pids) | set(handle.member_pids))), *((r.target, [r.pid]) for r in handle.ranks)]
+    reports = [hygiene(node, handle.gpus, node_pids, min(grace_s, 10.0)) for node, node_pids in nodes]
+    for (node, _), report in zip(nodes, reports, strict=True):
+        verdict = getattr(report, "verdict", "clean" if getattr(report, "clean", False) else "unknown")
+        if verify and verdict != "clean":
+            summary = report.summary() if hasattr(report, "summary") else str(report)
+            where = f" on {host_of(node)}" if handle.ranks else ""
+            raise StopFailed(f"server {handle.url} stopped but GPUs {handle.gpus}{where} are {verdict}:\n{summary}",
+                             report)
+    return reports[0]
 
 
 def _close_tunnel(handle: ServerHandle) -> None:

@@ -66,7 +66,7 @@ class MemoryStoreError(DatagenError, RuntimeError):
 # Flags that change neither weights nor KV cache: output parsing, names, address, auth. A key
 # without them means switching, say, the reasoning parser keeps what was learned for the model.
 _NOT_MEMORY = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size", "--reasoning-parser",
-               "--tool-call-parser"}
+               "--tool-call-parser", "--nnodes", "--node-rank", "--dist-init-addr"}  # the shape is in the key
 # The same set before parsers were left out: keys made then still name their entries (MemoryKey.legacy).
 _NOT_MEMORY_LEGACY = {"--host", "--port", "--served-model-name", "--model-path", "--tp-size"}
 
@@ -103,9 +103,15 @@ def memory_key(cfg: ServerConfig, target: Any, gpu_name: str) -> MemoryKey:
     Host/port, the fraction itself, names, the API key and output parsers (reasoning, tool call) do
     not change memory use and are left out.
     """
-    tname = target if isinstance(target, str) else str(target)
-    host = socket.gethostname() if tname.strip() in ("", "local") else tname
-    head = f"{host}|{os.path.normpath(cfg.model_path)}|tp{cfg.tp_size}|{gpu_name}|"
+    def host_of(t: Any) -> str:
+        tname = t if isinstance(t, str) else str(t)
+        return socket.gethostname() if tname.strip() in ("", "local") else tname
+
+    # a server over several nodes is its own shape: every node named, tp over the node count (what
+    # fits one node's GPUs at tp 16 over 2 nodes says nothing of tp 8 on one)
+    host = "+".join(host_of(t) for t in (target, *cfg.peer_nodes))
+    shape = f"tp{cfg.tp_size}" + (f"/{cfg.nnodes}nodes" if cfg.nnodes > 1 else "")
+    head = f"{host}|{os.path.normpath(cfg.model_path)}|{shape}|{gpu_name}|"
     return MemoryKey(head + _flags_digest(cfg, _NOT_MEMORY), legacy=head + _flags_digest(cfg, _NOT_MEMORY_LEGACY))
 
 

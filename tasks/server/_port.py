@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from tasks.hygiene import ProbeFailed, port_listeners
-from tasks.targets import Target
+from tasks.targets import Target, parse_target, remote_python, run_command
 
-__all__ = ["bind_refused", "conflicting", "describe_holders", "listeners_on", "held_by"]
+__all__ = ["bind_refused", "conflicting", "describe_holders", "free_port_on", "listeners_on", "held_by"]
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +102,32 @@ def held_by(listeners: list[dict[str, Any]], pgid: int, pids: Iterable[int] = ()
 def _short(cmdline: str, width: int = 120) -> str:
     line = " ".join(cmdline.split())
     return line if len(line) <= width else line[: width - 3] + "..."
+
+
+# A free port on a target: bound on the address asked for when the target has it, else on all of
+# its addresses (a --dist-init-addr host may be an address the target is reached by, not its own).
+_FREE_PORT = ("import socket, sys\ns = socket.socket()\ntry:\n    s.bind((sys.argv[1], 0))\n"
+              "except OSError:\n    s.bind(('', 0))\nprint(s.getsockname()[1])")
+
+
+def free_port_on(target: str | Target, host: str) -> int:
+    """A TCP port free on ``target`` now (for ``host``): what a launch names in ``--dist-init-addr``.
+
+    Raises:
+        TargetUnreachable: the target cannot be reached.
+        RuntimeError: the probe did not answer a port.
+    """
+    t = parse_target(target)
+    if t.is_local:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, 0))
+            except OSError:
+                sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+    res = run_command(t, [remote_python(t), "-c", _FREE_PORT, host], timeout_s=30)
+    text = res.stdout.strip()
+    if not res.ok or not text.isdigit():
+        raise RuntimeError(f"no free port found on {t} for --dist-init-addr: exit {res.exited}: "
+                           f"{(res.stderr or text).strip()[-300:]}")
+    return int(text)

@@ -257,7 +257,8 @@ def launch_tuned(
             if nxt is None:
                 raise _give_up(attempts, policy, exc, key) from exc
             if hygiene is not None:
-                hygiene(target, gpus)
+                for node in (target, *cfg.peer_nodes):  # a server over several nodes: each node's GPUs
+                    hygiene(node, gpus)
             fraction = nxt
             continue
         worked = fraction if fraction is not None else effective_fraction(handle.read_log(1 << 20))

@@ -4,6 +4,10 @@ SGLang can hang alive (``/health_generate`` answers 503 or times out) and would 
 request until the client's hour-long timeout. While inference runs, the watchdog probes
 ``/health_generate``; when that has failed for ``timeout_s`` while the process lives, it kills the
 server's process group. The client then raises ``ServerGone`` and the caller relaunches.
+
+A server over several nodes is also watched rank by rank: when the process of a node rank >= 1 has
+ended, node 0 would hang in its next collective (no error, no exit), so the watchdog ends the whole
+server on every node at once (``lost_rank`` says which died) and the relaunch path takes over.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from tasks.server._launch import ServerHandle, stop_server
 
 __all__ = ["HangWatchdog"]
 
+RANK_EVERY_S = 1.0  # how often the process of each node rank >= 1 is looked at
+
 
 class HangWatchdog:
     """A daemon thread watching one server; ``stop()`` ends it (also usable as a context manager).
@@ -35,8 +41,9 @@ class HangWatchdog:
         self.server, self.timeout_s, self.logger = server, timeout_s, logger
         self._stop = threading.Event()
         self.fired = False
+        self.lost_rank: Any = None  # the node rank whose death took a multi-node server down
         self._thread = threading.Thread(target=self._loop, name="datagen-hang-watchdog", daemon=True)
-        if timeout_s > 0:
+        if timeout_s > 0 or server.ranks:
             self._thread.start()
 
     def __enter__(self) -> HangWatchdog:
@@ -46,7 +53,9 @@ class HangWatchdog:
         self.stop()
 
     def _loop(self) -> None:
-        interval = max(0.5, min(10.0, self.timeout_s / 4))
+        interval = max(0.5, min(10.0, self.timeout_s / 4)) if self.timeout_s > 0 else RANK_EVERY_S
+        if self.server.ranks:
+            interval = min(interval, RANK_EVERY_S)
         # One client for the whole watch, as the launcher's readiness probe (a client per probe cost
         # 35 ms of CPU, against 2 ms for the probe itself: tasks/http.py). No proxy from the
         # environment: the server is on this host or behind this host's SSH tunnel.
@@ -56,6 +65,10 @@ class HangWatchdog:
     def _watch(self, probe: httpx.Client, interval: float) -> None:
         failing_since: float | None = None
         while not self._stop.wait(interval):
+            if self.server.ranks and self._rank_lost():
+                return
+            if self.timeout_s <= 0:
+                continue
             try:
                 ok = probe.get(f"{self.server.url}/health_generate").status_code == 200
             except httpx.HTTPError:
@@ -72,6 +85,18 @@ class HangWatchdog:
                 # Kill only (no hygiene here): the relaunch path diagnoses, stops and cleans.
                 stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
                 return
+
+    def _rank_lost(self) -> bool:
+        """A node rank >= 1 has ended: end the whole server (True)."""
+        dead = self.server.dead_rank()
+        if dead is None:
+            return False
+        self.logger.error("server %s: node %d (%s, pid %d) has ended: node 0 would hang in its next collective; "
+                          "ending the server on every node to relaunch it", self.server.url, dead.rank,
+                          dead.host, dead.pid)
+        self.lost_rank = self.server.lost_rank = dead
+        stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
+        return True
 
     def stop(self) -> None:
         """End the watch (waits for the thread, at most 15 s)."""

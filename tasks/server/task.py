@@ -34,10 +34,12 @@ from tasks.server import (
     classify_failure,
     launch,
     launch_tuned,
+    on_node,
     record_runtime_oom,
     stop_server,
 )
-from tasks.targets import parse_target
+from tasks.server._port import free_port_on
+from tasks.targets import host_of, parse_target
 
 __all__ = ["LOW_HEADROOM_GIB", "adopt_server", "diagnose_server", "health_check", "identify_server", "launch_server",
            "plan_key", "stop"]
@@ -78,7 +80,10 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
     cfg = ctx.cfg
     port = cfg.server.port or (_free_port(cfg.server.launch.host) if ctx.target == "local" else DEFAULT_PORT)
     pinned = ctx.explicit_fraction if attempt == 1 else None
-    handle, report = launch_tuned(cfg.server_config(port, ctx.parser), parse_target(ctx.target), ctx.plan.log_dir,
+    server_cfg = cfg.server_config(port, ctx.parser)
+    if server_cfg.peer_nodes:
+        server_cfg = dataclasses.replace(server_cfg, dist_init_addr=dist_init_addr(ctx))
+    handle, report = launch_tuned(server_cfg, parse_target(ctx.target), ctx.plan.log_dir,
                                   on_started=on_started, pinned=pinned,
                                   launcher=functools.partial(launch, keep_s=cfg.server_grace_s))
     relaunch = f"relaunch {attempt - 1}/{cfg.max_relaunches} after {reason}" if attempt > 1 else ""
@@ -94,6 +99,7 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
              f"- relaunch budget: {attempt - 1} of {cfg.max_relaunches} used",
              f"- url: `{handle.url}` (this run's server: stopped when the run ends)",
              f"- pid {handle.pid}, log `{handle.log_path}`",
+             *_node_lines(handle),
              f"- attempts ({len(report.attempts)}): {report.summary()}"]
     _launch_artifact(ctx, handle.pid, lines, f"{'WARN' if low else 'OK'}: launch {attempt} on {ctx.host} "
                                              f"{gpu_label(ctx.gpus)} at fraction {report.fraction}"
@@ -104,6 +110,28 @@ def launch_server(ctx: RunContext, attempt: int = 1, reason: str = "",
         logger.warning("headroom after graph capture on %s is %s GiB, under %g GiB: a long prefill batch may run "
                        "out of memory; lower mem_fraction_static", ctx.host, headroom, LOW_HEADROOM_GIB)
     return handle
+
+
+def _node_lines(handle: ServerHandle) -> list[str]:
+    """The launch artifact's lines on the nodes of a server over several nodes (none on one host)."""
+    if not handle.ranks:
+        return []
+    addr = next((v for f, v in zip(handle.command, handle.command[1:], strict=False) if f == "--dist-init-addr"), "?")
+    lines = [f"- nodes: **{len(handle.ranks) + 1}**, joined at --dist-init-addr `{addr}`",
+             f"  - node 0: `{host_of(handle.target)}` pid {handle.pid} (serves HTTP), log `{handle.log_path}`"]
+    lines += [f"  - node {r.rank}: `{r.host}` pid {r.pid}, log `{r.log_path}`" for r in handle.ranks]
+    return lines
+
+
+def dist_init_addr(ctx: RunContext) -> str:
+    """``--dist-init-addr`` of a server over several nodes: node 0's address as the others reach it
+    (``dist_init_host``, else node 0's host name; 127.0.0.1 for a local node 0) and a port there
+    (``dist_init_port``, else one free on node 0 now)."""
+    server = ctx.cfg.server
+    t = parse_target(ctx.target)
+    host = server.dist_init_host or ("127.0.0.1" if t.is_local else t.host or "127.0.0.1")
+    port = server.dist_init_port or free_port_on(t, host)
+    return f"{host}:{port}"
 
 
 def _launch_artifact(ctx: RunContext, pid: int, lines: list[str], description: str) -> None:
@@ -206,11 +234,12 @@ def diagnose_server(ctx: RunContext, handle: ServerHandle) -> Failure:
     it died. Returns the log's classification."""
     logger = get_run_logger()
     try:
-        text = handle.read_log()
+        rank, text, status = handle.failure()
     except Exception as exc:  # a log we cannot read classifies as unknown: relaunch at the same fraction
-        text = f"(log unreadable: {exc})"
-    status = handle.exit_status()
+        rank, text, status = None, f"(log unreadable: {exc})", handle.exit_status()
     failure = classify_failure(text, status)
+    if rank is not None:
+        failure = on_node(failure, rank)
     logger.warning("server on %s gone (exit %s): %s: %s", ctx.host, status, failure.kind, failure.explanation)
     if failure.kind == "too_high":
         port = urlsplit(handle.url).port or DEFAULT_PORT

@@ -66,7 +66,8 @@ ALLOWED: dict[str, tuple[str, dict[str, int]]] = {
     "tasks/reasoning/__init__.py": ("the model directory's config", {"parser_for_model read_json_object": 1}),
     "tasks/server/_launch.py": ("the server log, through the log directory's handle opened O_NOFOLLOW "
                                 "(tasks.files.open_below)", {
-        "ServerHandle.read_log open_below": 1, "_read_log_from open_below": 1, "_start_local open_below": 1}),
+        "_tail open_below": 1, "_read_log_from open_below": 1, "_start_local open_below": 1,
+        "_start_rank open_below": 1}),
     "tasks/server/_memory.py": ("the fraction memory (~/.cache/datagen or $DATAGEN_MEMORY)", {
         "FileStore._locked .mkdir()": 1, "FileStore._locked open()": 1, "FileStore._read .read_text()": 1,
         "FileStore._write atomic_write_json": 1}),

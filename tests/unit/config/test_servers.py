@@ -55,7 +55,7 @@ def test_a_plain_target_list_keeps_one_server_each(tmp_path: Path) -> None:
     ('targets = [{ target = "ssh://h", gpus = [[0, 1], [1, 2]] }]', "server.targets[0].gpus: GPU 1 is in two"),
     ('targets = [{ target = "ssh://h", gpus = [[0], []] }]', "server.targets[0].gpus: [] is not a non-empty"),
     ('targets = ["local", { target = "ssh://h", port = 70000 }]', "server.targets[1].port: 70000 is not a TCP"),
-    ('targets = ["ssh://h", { target = "ssh://h" }]', "server.targets: a target is listed twice"),
+    ('targets = ["ssh://h", { target = "ssh://h" }]', "server.targets: ssh://h is listed twice"),
     ('targets = [{ target = "ssh://h", flags = { tp_size = 2 } }]',
      "server.targets[0].flags.tp_size: not a per-target flag: it changes the rows' `server` fingerprint"),
     ('targets = [{ target = "ssh://h", flags = { extra_args = ["--x"] } }]', "flags.extra_args: not a per-target"),
@@ -93,3 +93,68 @@ def test_an_override_that_breaks_a_server_names_it(tmp_path: Path) -> None:
     cfg = _load(tmp_path, 'targets = [{ target = "ssh://h", gpus = [[0], [1]] }]')
     with pytest.raises(ConfigError, match=r"override: server.targets: ssh://h server 0 \(GPUs \[0\]\).*tp_size=2"):
         cfg.with_overrides(RunSettings(tp_size=2))  # type: ignore[attr-defined]
+
+
+NODES = '["ssh://u@gpu1", "ssh://u@gpu2"]'
+
+
+def test_a_server_over_two_nodes_derives_its_shape(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, f'targets = [{{ nodes = {NODES}, gpus = [0, 1, 2, 3, 4, 5, 6, 7], tp_size = 16, '
+                          'port = 31000, dist_init_host = "10.0.0.1", dist_init_port = 25000 }]')
+    (slot,) = cfg.servers()  # type: ignore[attr-defined]
+    assert (slot.target, slot.nodes, slot.port) == ("ssh://u@gpu1", ("ssh://u@gpu1", "ssh://u@gpu2"), 31000)
+    assert slot.label((0, 1)) == "gpu1+gpu2[gpu 0,1]"
+    one = cfg.for_server(slot)  # type: ignore[attr-defined]
+    launch = one.server.launch
+    assert (launch.tp_size, launch.nnodes, launch.peer_nodes, launch.gpus_per_node) == (16, 2, ("ssh://u@gpu2",), 8)
+    assert launch.gpu_indexes() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert (one.server.dist_init_host, one.server.dist_init_port) == ("10.0.0.1", 25000)
+    assert cfg.hosts() == ["ssh://u@gpu1", "ssh://u@gpu2"]  # type: ignore[attr-defined]
+    # the command line of node 1: the same command, its own --node-rank
+    from dataclasses import replace
+
+    from tasks.server import build_command
+    node1 = replace(launch, dist_init_addr="10.0.0.1:25000").for_node(1)
+    argv = build_command(node1, None)
+    assert argv[argv.index("--nnodes"):argv.index("--nnodes") + 6] == [
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:25000"]
+    assert argv[argv.index("--tp-size") + 1] == "16"
+
+
+def test_a_server_over_nodes_with_pipeline_parallelism_counts_its_gpus_per_node(tmp_path: Path) -> None:
+    cfg = _load(tmp_path, f'extra_args = ["--pp-size", "2"]\ntargets = [{{ nodes = {NODES}, tp_size = 4 }}]')
+    launch = cfg.for_server(cfg.servers()[0]).server.launch  # type: ignore[attr-defined]
+    assert (launch.pp_size, launch.gpu_indexes()) == (2, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(("server", "message"), [
+    (f'targets = [{{ nodes = {NODES}, tp_size = 3 }}]',
+     "server.targets[0].tp_size: tp_size=3: tp_size x pp_size = 3 is not a multiple of the 2 nodes"),
+    (f'targets = [{{ nodes = {NODES}, gpus = [0, 1, 2], tp_size = 8 }}]',
+     "server.targets[0].gpus: gpus=(0, 1, 2): tp_size=8 x pp_size=1 over 2 nodes needs 4 GPUs on each node"),
+    (f'extra_args = ["--nnodes", "2"]\ntargets = [{{ nodes = {NODES}, tp_size = 2 }}]',
+     "server.extra_args: server config: extra_args contains --nnodes, which the launcher sets itself"),
+    (f'extra_args = ["--dist-init-addr=h:1"]\ntargets = [{{ nodes = {NODES}, tp_size = 2 }}]',
+     "server.extra_args: server config: extra_args contains --dist-init-addr"),
+    (f'extra_args = ["--dp-size", "2"]\ntargets = [{{ nodes = {NODES}, tp_size = 2 }}]',
+     "server.extra_args: extra_args=('--dp-size', '2'): --dp-size 2 over 2 nodes: SGLang has no multi-node"),
+    ('targets = [{ nodes = ["ssh://u@gpu1"], tp_size = 2 }]', "server.targets[0].nodes: a list of at least 2"),
+    (f'targets = [{{ target = "ssh://u@gpu1", nodes = {NODES} }}]', "server.targets[0]: `target` or `nodes`, not both"),
+    (f'targets = ["ssh://u@gpu2", {{ nodes = {NODES}, tp_size = 2 }}]', "server.targets: ssh://u@gpu2 is listed twice"),
+    (f'targets = [{{ nodes = {NODES}, gpus = [[0], [1]], tp_size = 2 }}]',
+     "server.targets[0].gpus: one server spans the nodes: one GPU list"),
+    (f'tp_size = 1\ntargets = [{{ nodes = {NODES}, tp_size = 2 }}]',
+     "server.targets[0].tp_size: 2 differs from server.tp_size 1"),
+    (f'targets = [{{ nodes = {NODES}, tp_size = 2, dist_init_port = 70000 }}]',
+     "server.targets[0].dist_init_port: 70000 is not a TCP port"),
+    (f'targets = [{{ nodes = {NODES}, tp_size = 2, dist_init_host = "h:1" }}]',
+     "server.targets[0].dist_init_host: 'h:1' is not a host name"),
+    ('targets = [{ target = "ssh://u@gpu1", dist_init_port = 25000 }]',
+     "server.targets[0].dist_init_port: only a server over several `nodes` has a --dist-init-addr"),
+    ('targets = [{ nodes = ["ssh://u@gpu1", "ftp://x"], tp_size = 2 }]', "server.targets[0].nodes[1]: bad target"),
+])
+def test_bad_node_shapes_are_refused_at_load_naming_the_key(tmp_path: Path, server: str, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _load(tmp_path, server)
+    assert str(exc.value).startswith(f"{tmp_path / 'p.toml'}: ") and message in str(exc.value), str(exc.value)
+    assert "\n" not in str(exc.value)

@@ -17,7 +17,7 @@ def test_same_server_on_another_port_has_the_same_fingerprint(sim_gpus, emulator
     assert facts == {"model_path": str(DEMO_MODEL), "tokenizer_path": str(DEMO_MODEL), "weight_version": "default",
                      "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
                      "served_model_name": "demo", "dtype": "auto", "kv_cache_dtype": "auto", "context_length": 262144,
-                     "tp_size": 1}
+                     "tp_size": 1, "pp_size": 1}
     first.stop()
     again = emulator_factory(EMU_ARGS + ["--served-model-name", "demo", "--mem-fraction-static", "0.7"])
     assert again.port != first.port

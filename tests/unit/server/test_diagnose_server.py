@@ -25,6 +25,9 @@ class _Gone:
     def exit_status(self) -> int:
         return -9
 
+    def failure(self) -> tuple[None, str, int]:
+        return None, self.log, -9
+
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
