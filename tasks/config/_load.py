@@ -287,7 +287,7 @@ def _check_validation(values: dict[str, Any], f: str) -> Thresholds:
 def _target_flags(entry: TargetServers, i: int, s: dict[str, Any], f: str, model_path: str) -> TargetServers:
     """``entry`` with its flags checked as ``[server]`` keys and converted as the loader does."""
     merged = {k: v for k, v in s.items() if k != "targets"} | dict(entry.flags)
-    if entry.gpu_groups:
+    if entry.gpu_groups and not entry.nodes:  # a server over nodes: its GPUs per node (_check_nodes_launch)
         merged["gpus"] = list(entry.gpu_groups[0])
     where = f"{f}: server.targets[{i}].flags"
     try:
