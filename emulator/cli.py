@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from emulator.logs import log, raw
-from emulator.nodes import NodeLink, check_nodes, join, node_fault
+from emulator.nodes import NodeLink, check_nodes, dummy_health_server, join, node_fault
 from emulator.procs import Child, RankSpec, start_detokenizer, start_scheduler
 from emulator.profile import ModelInfo, load_model
 
@@ -159,12 +159,24 @@ class Main:
             st.hung = True
             st.engine.halted = True
 
+    def shutdown_by_node0(self) -> None:
+        log("Received the rank-0 ShutdownReq broadcast: stopping the schedulers")
+        self.kill_tree(include_parent=False)
+        os._exit(0)
+
+    def on_sigterm_follower(self, signum: int, frame: object) -> None:
+        log(f"SIGTERM received on node_rank {self.args.node_rank}; waiting for the rank-0 ShutdownReq broadcast "
+            "to stop the schedulers.")
+
     def follow(self) -> None:
         """Node rank >= 1 after its schedulers are up: no HTTP, it waits on them (SGLang's
         non-zero nodes do) and dies with them; a lost node 0 leaves it waiting."""
         a = self.args
         fault, after_s = node_fault(a)
         log(f"node {a.node_rank} of {a.nnodes}: schedulers ready; node 0 serves HTTP")
+        dummy_health_server(a.host, a.port)
+        assert self.link is not None
+        self.link.on_shutdown = self.shutdown_by_node0
         crash_at = time.monotonic() + after_s if fault == "crash-after" else None
         fds = {c.from_child: c for c in self.children if c.rank is not None}
         while True:
@@ -242,6 +254,8 @@ class Main:
         eng = st.engine
         while (eng.running or eng.waiting) and not eng.halted and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if self.link is not None:
+            self.link.broadcast_shutdown()
         log("Graceful shutdown completed. Killing the process tree.")
         # As SGLang after a drain: its children killed, the main process returns and exits 0.
         self.kill_tree(include_parent=False)
@@ -469,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     m = Main(args, model)
     signal.signal(signal.SIGQUIT, m.on_sigquit)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.emu_ignore_sigterm else m.on_sigterm)
+    if args.node_rank > 0 and not args.emu_ignore_sigterm:
+        signal.signal(signal.SIGTERM, m.on_sigterm_follower)
     if args.nnodes > 1:
         m.link = join(args)
         m.link.on_lost = m.peer_lost

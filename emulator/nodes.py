@@ -14,6 +14,10 @@ What the emulator shows of it (docs/emulator.md, "Several nodes"):
 - a node lost after the join: the others block in their next collective, as NCCL does (no error,
   no exit): node 0 stops answering (``/health_generate`` fails, requests hang) and the other nodes
   keep running, holding their GPU memory, until something kills them;
+- the other nodes as SGLang 0.5.23 runs them: no API, but a dummy health server on their
+  ``--host:--port`` answering 200 to ``/ping``, ``/health`` and ``/health_generate`` whatever their
+  schedulers do; a SIGTERM they log and ignore ("waiting for the rank-0 ShutdownReq broadcast"):
+  they end when node 0 shuts down (its drain broadcasts the shutdown) or by SIGKILL;
 - faults on one node only: ``--emu-node-fault R:never-join`` (node R never connects) and
   ``--emu-node-fault R:crash-after=S`` (node R's scheduler fails S seconds after the join).
 """
@@ -29,7 +33,7 @@ from collections.abc import Callable
 
 from emulator.logs import log, raw
 
-__all__ = ["NodeLink", "check_nodes", "join"]
+__all__ = ["NodeLink", "check_nodes", "dummy_health_server", "join", "node_fault"]
 
 CONNECT_EVERY_S = 0.2
 
@@ -73,15 +77,29 @@ class NodeLink:
         self.socks = socks
         self.lost = threading.Event()
         self.on_lost: Callable[[str], None] | None = None
+        self.on_shutdown: Callable[[], None] | None = None
+
+    def broadcast_shutdown(self) -> None:
+        """Node 0's ShutdownReq to every other node (its drain ends them all)."""
+        for _, sock in self.socks:
+            try:
+                sock.sendall(b"shutdown\n")
+            except OSError:
+                pass
 
     def watch(self) -> None:
         for rank, sock in self.socks:
             threading.Thread(target=self._read, args=(rank, sock), name=f"node-link-{rank}", daemon=True).start()
 
     def _read(self, rank: int, sock: socket.socket) -> None:
+        data = b""
         try:
-            while sock.recv(4096):
-                pass
+            while chunk := sock.recv(4096):
+                data += chunk
+                if b"shutdown\n" in data and self.on_shutdown is not None:
+                    self.lost.set()  # an orderly end, not a lost node
+                    self.on_shutdown()
+                    return
         except OSError:
             pass
         if self.lost.is_set():
@@ -157,3 +175,30 @@ def _connect(host: str, port: int, rank: int, timeout_s: float) -> NodeLink:
     sock.sendall(f"node {rank}\n".encode())
     log(f"[node link] joined node 0 at {host}:{port}")
     return NodeLink([(0, sock)])
+
+
+def dummy_health_server(host: str, port: int) -> None:
+    """What SGLang's node ranks >= 1 serve on ``--host:--port``: 200 to /ping, /health and
+    /health_generate, whatever their schedulers do (a thread; a port it cannot bind is logged)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            ok = self.path.split("?", 1)[0] in ("/ping", "/health", "/health_generate")
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", "0" if ok else "22")
+            self.end_headers()
+            if not ok:
+                self.wfile.write(b'{"detail":"Not Found"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        log(f"Dummy health check server failed to start: [Errno {exc.errno}] error while attempting to bind on "
+            f"address ('{host}', {port}): {(exc.strerror or str(exc)).lower()}")
+        return
+    threading.Thread(target=server.serve_forever, name="health-check-server", daemon=True).start()
+    log(f"Dummy health check server started in background thread at {host}:{port}")

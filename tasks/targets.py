@@ -20,6 +20,8 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 from urllib.parse import urlsplit
@@ -29,6 +31,7 @@ from tasks.files import open_below
 
 __all__ = [
     "host_of",
+    "on_each",
     "Target",
     "TargetError",
     "TargetUnreachable",
@@ -437,3 +440,28 @@ def host_of(target: str) -> str:
         return socket.gethostname()
     parts = urlsplit(target)
     return parts.hostname or target
+
+
+def on_each(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    """``fn`` on every item (a target, a node of a server) at once, each in its own thread: one
+    host's SSH round trips do not wait for another's. Returns the results in order, raising the first error once all
+    have ended."""
+    ranks = list(items)
+    results: list[Any] = [None] * len(ranks)
+    errors: list[BaseException] = []
+
+    def run(i: int, r: Any) -> None:
+        try:
+            results[i] = fn(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, r), name=f"datagen-node-{i}", daemon=True)
+               for i, r in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

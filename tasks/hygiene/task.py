@@ -14,7 +14,7 @@ from tasks.gpus import SIM_GPUS_NOTE
 from tasks.hygiene import GpusNotClean, NoGpus, clean_gpus
 from tasks.run import RunContext
 from tasks.server import DEFAULT_PORT
-from tasks.targets import host_of
+from tasks.targets import host_of, on_each
 
 __all__ = ["hygiene", "no_gpu_ways"]
 
@@ -40,7 +40,10 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
         NoGpus: no GPU can be read on the target (not retried: the message says what to run instead).
         GpusNotClean: not verified clean (retried).
     """
-    reports = [_clean_node(ctx, phase, node) for node in ctx.nodes]  # a server over several nodes: each
+    # a server over several nodes: every node's GPUs, cleaned at once, each reported on its own
+    cleaned = on_each(lambda node: clean_gpus(target=node, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s),
+                        ctx.nodes)
+    reports = [_report_node(ctx, phase, node, report) for node, report in zip(ctx.nodes, cleaned, strict=True)]
     for node, report in zip(ctx.nodes, reports, strict=True):
         host = host_of(node)
         if report.backend == "none":
@@ -55,10 +58,9 @@ def hygiene(ctx: RunContext, phase: str) -> dict[str, Any]:
     return {"nodes": {node: report.to_dict() for node, report in zip(ctx.nodes, reports, strict=True)}}
 
 
-def _clean_node(ctx: RunContext, phase: str, node: str) -> Any:
-    """Clean and verify the server's GPUs on one of its hosts; logged and published per host."""
+def _report_node(ctx: RunContext, phase: str, node: str, report: Any) -> Any:
+    """One host's hygiene report, logged and published."""
     host = host_of(node)
-    report = clean_gpus(target=node, gpus=list(ctx.gpus), grace_s=ctx.cfg.hygiene_grace_s)
     report.notes = [n for n in report.notes if n != SIM_GPUS_NOTE]  # said once per run (prepare-output)
     summary = report.summary()
     verdict = report.verdict.upper().replace("_", " ")

@@ -20,9 +20,8 @@ import os
 import re
 import shlex
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from tasks.server._log import (
     parse_progress,
 )
 from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
-from tasks.targets import host_of, parse_target, run_command, start_detached
+from tasks.targets import host_of, on_each, parse_target, run_command, start_detached
 
 __all__ = [
     "API_KEY_ENV",
@@ -343,7 +342,7 @@ def launch(
         _put_on_leash(handle, kill_remote, keep_s)
     try:
         if cfg.peer_nodes:
-            handle.ranks = _start_ranks(cfg, fraction, log_dir, handle.log_path)
+            handle.ranks = _start_ranks(cfg, handle.target, fraction, log_dir, handle.log_path)
         _await_ready(handle, cfg, deadline_s, on_progress, health_timeout_s)
     except BaseException:
         if cfg.peer_nodes:  # whatever was started on any node ends with the failed launch
@@ -357,18 +356,25 @@ def launch(
     return handle
 
 
-def _start_ranks(cfg: ServerConfig, fraction: float | None, log_dir: str | os.PathLike[str],
+def _start_ranks(cfg: ServerConfig, head: str, fraction: float | None, log_dir: str | os.PathLike[str],
                  head_log: str) -> list[NodeRank]:
     """Start nodes 1.. of a server over several nodes, each on its own leash: the same command with
     its own ``--node-rank``, its log beside node 0's (``...-node<R>.log``) on its node. A node that
-    cannot be started or leashed ends the ones already started and raises."""
+    cannot be started or leashed ends the ones already started and raises.
+
+    SGLang's nodes >= 1 serve a dummy health server on ``--host:--port`` (200 to /health_generate
+    whatever their schedulers do): each binds ``cfg.host`` on its own machine, or its own address
+    when ``cfg.host`` is node 0's address (a routable bind on every node)."""
     ranks: list[NodeRank] = []
+    head_host = parse_target(head).host
     try:
         for rank, node in enumerate(cfg.peer_nodes, start=1):
-            ranks.append(_start_rank(cfg.for_node(rank), rank, node, fraction, log_dir,
+            own = parse_target(node).host
+            host = own if head_host and own and cfg.host == head_host else cfg.host
+            ranks.append(_start_rank(replace(cfg.for_node(rank), host=host), rank, node, fraction, log_dir,
                                      f"{Path(head_log).name.removesuffix('.log')}-node{rank}.log"))
     except BaseException:
-        _each(lambda r: r.kill(5.0, 0.0), ranks)
+        on_each(lambda r: r.kill(5.0, 0.0), ranks)
         for r in ranks:
             r.release()
         raise
@@ -379,18 +385,18 @@ def _start_rank(cfg: ServerConfig, rank: int, node: str, fraction: float | None,
                 log_dir: str | os.PathLike[str], name: str) -> NodeRank:
     argv = launch_argv(cfg, fraction)
     if _is_local(node):
-        log_path = Path(log_dir) / name
-        with os.fdopen(open_below(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, create_dir=True), "ab") as logf:
+        local_log = Path(log_dir) / name
+        with os.fdopen(open_below(local_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, create_dir=True), "ab") as logf:
             logf.write(f"# datagen launch, node {rank}: {shlex.join(build_command(cfg, fraction))}\n".encode())
             logf.flush()
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                      env=launch_env(cfg), start_new_session=True, close_fds=True)
-        r = NodeRank(rank, node, popen.pid, str(log_path), _popen=popen)
+        r = NodeRank(rank, node, popen.pid, str(local_log), _popen=popen)
     else:
         t = parse_target(node)
-        log_path = f"{log_dir}/{name}"
+        remote_log = f"{log_dir}/{name}"
         run_command(t, ["mkdir", "-p", str(log_dir)], timeout_s=30)
-        r = NodeRank(rank, node, start_detached(t, argv, log_path, env=launch_env(cfg, base={})), log_path)
+        r = NodeRank(rank, node, start_detached(t, argv, remote_log, env=launch_env(cfg, base={})), remote_log)
     log.info("launched node %d of %d on %s (pid %d, log %s)", rank, cfg.nnodes, node, r.pid, r.log_path)
     try:
         r._leash = leash(node, r.pid, keep_s=0.0)
@@ -401,28 +407,6 @@ def _start_rank(cfg: ServerConfig, rank: int, node: str, fraction: float | None,
     return r
 
 
-def _each(fn: Callable[[NodeRank], Any], ranks: Iterable[NodeRank]) -> list[Any]:
-    """``fn`` on every rank at once (each in its own thread: a node's SSH round trips do not wait
-    for another's); returns the results in order, raising the first error once all have ended."""
-    ranks = list(ranks)
-    results: list[Any] = [None] * len(ranks)
-    errors: list[BaseException] = []
-
-    def run(i: int, r: NodeRank) -> None:
-        try:
-            results[i] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, r), name=f"datagen-node-{r.rank}", daemon=True)
-               for i, r in enumerate(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _put_on_leash(handle: ServerHandle, kill: Callable[[], Any], keep_s: float = 0.0) -> None:
@@ -668,6 +652,7 @@ def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None
 # and at most this: SGLang's SIGTERM watchdog looks every 5 s, and on a loaded 2-core host its drain
 # and teardown took more than 10 s (the leader then died by the group's SIGTERM, exit -15).
 LEADER_FIRST_S = 20.0
+RANK_GRACE_S = 5.0  # a node rank >= 1 after node 0 stopped: its group's SIGTERM to SIGKILL
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -679,25 +664,14 @@ def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
     seen. Over several nodes every node's group is ended at once, node 0's in this thread."""
     if not handle.ranks:
         return _kill_head(handle, grace_s)
-    seen: list[int] = []
-    errors: list[BaseException] = []
-
-    def ranks_run() -> None:
-        try:
-            seen.extend(p for pids in _each(lambda r: r.kill(grace_s, min(grace_s / 2, LEADER_FIRST_S)),
-                                            handle.ranks) for p in pids)
-        except BaseException as exc:
-            errors.append(exc)
-
-    ranks = threading.Thread(target=ranks_run, name="datagen-node-kill", daemon=True)
-    ranks.start()
+    # Node 0 first: its drain broadcasts the shutdown to every node's schedulers (SGLang's nodes >= 1
+    # log a SIGTERM and wait for that broadcast). Then each other node's group, all at once: SIGTERM
+    # to the group, SIGKILL after a short grace (node 0 dead, nothing else would end them).
     try:
         head = _kill_head(handle, grace_s)
     finally:
-        ranks.join()
-    if errors:
-        raise errors[0]
-    return head + seen
+        rest = on_each(lambda r: r.kill(min(grace_s, RANK_GRACE_S), 0.0), handle.ranks)
+    return head + [p for pids in rest for p in pids]
 
 
 def _kill_head(handle: ServerHandle, grace_s: float) -> list[int]:
@@ -747,7 +721,7 @@ def stop_server(
         return None
     # every node's GPUs, each verified (a rank's memory is on its own node)
     nodes = [(handle.target, sorted(set(pids) | set(handle.member_pids))), *((r.target, [r.pid]) for r in handle.ranks)]
-    reports = [hygiene(node, handle.gpus, node_pids, min(grace_s, 10.0)) for node, node_pids in nodes]
+    reports = on_each(lambda node: hygiene(node[0], handle.gpus, node[1], min(grace_s, 10.0)), nodes)
     for (node, _), report in zip(nodes, reports, strict=True):
         verdict = getattr(report, "verdict", "clean" if getattr(report, "clean", False) else "unknown")
         if verify and verdict != "clean":
