@@ -10,7 +10,7 @@ What the emulator shows of it (docs/emulator.md, "Several nodes"):
 - the join: node 0 listens on the dist-init address (a port taken there is torch's EADDRINUSE, exit
   1); every other node connects to it, retrying until ``--dist-timeout`` (default 1800 s) as a
   TCPStore client does, and gives up with torch's ``DistNetworkError``; node 0 loads nothing before
-  every node joined (``Init torch distributed begin.`` is its last line while it waits);
+  every node joined (``Init parallel begin.`` is its last line while it waits, as SGLang 0.5.23's);
 - a node lost after the join: the others block in their next collective, as NCCL does (no error,
   no exit): node 0 stops answering (``/health_generate`` fails, requests hang) and the other nodes
   keep running, holding their GPU memory, until something kills them;
@@ -118,7 +118,9 @@ def join(args: argparse.Namespace) -> NodeLink:
     to node 0. Exits (status 1) as torch does when it cannot."""
     host, _, port_text = args.dist_init_addr.rpartition(":")
     port = int(port_text)
-    log("Init torch distributed begin.", tp=args.node_rank * (args.tp_size // args.nnodes))
+    tp = args.node_rank * (args.tp_size * args.pp_size // args.nnodes)  # this node's first rank
+    log("Init parallel begin.", tp=tp)  # SGLang 0.5.23's line; it waits here until every node joined
+    t0 = time.monotonic()
     fault, _ = node_fault(args)
     if args.node_rank == 0:
         link = _accept_all(host, port, args.nnodes)
@@ -128,7 +130,7 @@ def join(args: argparse.Namespace) -> NodeLink:
             while True:
                 time.sleep(3600)
         link = _connect(host, port, args.node_rank, float(args.dist_timeout or 1800))
-    log("Init torch distributed ends. mem usage=0.00 GB", tp=args.node_rank * (args.tp_size // args.nnodes))
+    log(f"Init parallel ends. elapsed={time.monotonic() - t0:.2f} s", tp=tp)
     return link
 
 

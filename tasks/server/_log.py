@@ -245,6 +245,8 @@ _P_GRAPH_END = re.compile(r"Capture (?:[\w-]+ ){0,5}graph end\..*?avail mem=([0-
 # On CPU the same line says available_cpu_mem: host memory, which is no GPU headroom.
 _P_MAXTOK = re.compile(r"max_total_num_tokens=(\d+).*?available_(gpu|cpu)_mem=([0-9.]+) GB")
 _P_HTTP = re.compile(r"Uvicorn running on")
+# each rank joins the others here (torch.distributed); over several nodes it waits for every node
+_P_PARALLEL = re.compile(r"Init parallel begin|Init torch distributed begin")
 _P_READY = re.compile(r"The server is fired up and ready to roll")
 
 
@@ -259,7 +261,9 @@ def parse_progress(text: str, progress: StartupProgress | None = None) -> Startu
     for line in text.splitlines():
         rank_m = _RANK.search(line)
         rank = rank_m.group(1).strip() if rank_m else ""
-        if m := _P_WEIGHTS.search(line):
+        if _P_PARALLEL.search(line):
+            p.phase = _later(p.phase, "parallel_init")
+        elif m := _P_WEIGHTS.search(line):
             avail, used = float(m.group(1)), float(m.group(2))
             p.weights_gib = max(p.weights_gib or 0.0, used)
             p.avail_after_weights_gib = min(p.avail_after_weights_gib or avail, avail)
@@ -287,7 +291,7 @@ def parse_progress(text: str, progress: StartupProgress | None = None) -> Startu
     return p
 
 
-_PHASES = ["starting", "weights_loaded", "kv_cache", "cuda_graph", "http_up", "ready"]
+_PHASES = ["starting", "parallel_init", "weights_loaded", "kv_cache", "cuda_graph", "http_up", "ready"]
 
 
 def _later(current: str, new: str) -> str:
