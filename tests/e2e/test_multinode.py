@@ -1,6 +1,8 @@
 """One server over two nodes (SGLang's --nnodes 2): two hosts, each a real sshd on its own loopback
 address (127.0.0.2, .3) with its own simulated GPUs, reached over ssh:// as the scale-out tests do.
 The emulator's ranks join node 0 at --dist-init-addr as SGLang's do; node 0 alone serves HTTP.
+The launcher's own failures (a node that never joins, one that fails while loading) are in
+test_multinode_launch.py.
 
 What a person who has launched a two-node server by hand expects: every row once; a rank killed on
 node 1 takes the whole server down (node 0 would hang in its next collective) and the server is
@@ -9,7 +11,6 @@ on any node; a stale rank on node 1 is found and ended by the hygiene before the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,43 +24,32 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from emulator.simgpu import SimGpus
-from tasks.server import LaunchFailed, ServerConfig, launch
 from tasks.server._leash import LEASH_GRACE_S
 from tests.support.common import free_port, pid_alive
+from tests.support.multinode import sim_clean, two_hosts
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import FAST_EMU, assert_exactly_once, records
-from tests.support.sshd import SSHD, SshHost, hosts_env, start_hosts, stop_hosts
+from tests.support.sshd import SshHost, hosts_env
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]
 
 
-def _hosts(tmp_path: Path, addresses: list[str]) -> Iterator[list[SshHost]]:
-    if not os.path.exists(SSHD):
-        pytest.skip("openssh-server is not installed: apt-get install -y openssh-server")
-    started = start_hosts(tmp_path / "hosts", addresses)
-    try:
-        yield started
-    finally:
-        stop_hosts(started)
-
-
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
-    yield from _hosts(tmp_path, ADDRESSES)
+    yield from two_hosts(tmp_path, ADDRESSES)
 
 
 @pytest.fixture
 def other_hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
     """Two hosts no other test of this file uses: a killed run's ``gpu:<host>`` slots outlive it
     until their lease expires (60 s), which the next test on the same hosts would wait out."""
-    yield from _hosts(tmp_path, ["127.0.0.7", "127.0.0.8"])
+    yield from two_hosts(tmp_path, ["127.0.0.7", "127.0.0.8"])
 
 
 def _partition(tmp: Path, hosts: list[SshHost], n: int, run: str = "") -> tuple[Path, list[str]]:
@@ -115,10 +105,6 @@ def _ranks(tmp: Path) -> list[dict]:
     return record["servers"]
 
 
-def _clean(host: SshHost) -> bool:
-    return all(g["used_mib"] == 0 for g in SimGpus(host.sim_gpus).snapshot()["gpus"])
-
-
 def _hygiene(text: str, phase: str, address: str) -> str:
     """The hygiene report logged for ``phase`` on the host at ``address`` (its first line and the
     indented lines under it)."""
@@ -153,8 +139,28 @@ def _wait_rows(proc: subprocess.Popen[bytes], tmp: Path, rows: int) -> None:
         time.sleep(0.05)
 
 
-def test_a_server_over_two_nodes_generates_every_row_once(
-        prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path) -> None:
+def test_a_server_over_two_nodes_cleans_a_stale_rank_on_node_1_then_generates_every_row_once(
+        prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
+    # A rank of an earlier server, left on node 1 after its node 0 went away: it holds GPU 0 there.
+    victim = hosts[1]
+    with socket.create_server(("127.0.0.2", 0)) as listener:
+        port = listener.getsockname()[1]
+        env = {**os.environ, "DATAGEN_SIM_GPUS": str(victim.sim_gpus)}
+        with open(tmp_path / "stale.log", "wb") as log:
+            stale = subprocess.Popen([sys.executable, "-m", "emulator", "--model-path", f"{REPO_ROOT}/data/models/demo",
+                                      "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+                                      f"127.0.0.2:{port}", "--host", "127.0.0.3", "--port", str(free_port("127.0.0.3")),
+                                      *FAST_EMU], env=env, cwd=REPO_ROOT, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        reap_pids.append(stale.pid)
+        conn, _ = listener.accept()
+        while "schedulers ready" not in (tmp_path / "stale.log").read_text():
+            assert stale.poll() is None, (tmp_path / "stale.log").read_text()
+            time.sleep(0.05)
+        conn.close()  # its node 0 is gone; it waits on, holding its memory
+    ((holder,),) = [g["processes"] for g in SimGpus(victim.sim_gpus).snapshot()["gpus"] if g["index"] == 0]
+    assert holder["mib"] > 0 and sim_clean(hosts[0])
+
     part, ids = _partition(tmp_path, hosts, 120)
     proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
                           env=_env(prefect_server, tmp_path, hosts), cwd=REPO_ROOT, capture_output=True,
@@ -167,26 +173,31 @@ def test_a_server_over_two_nodes_generates_every_row_once(
     name = "127.0.0.2+127.0.0.3[gpu 0]"
     assert f"servers (final): {name} 120 rows " in text, text[-3000:]
     assert f"server {name} lifecycle: pending -> starting -> serving -> stopped" in text, text[-3000:]
-    for h in hosts:  # hygiene before the launch on each node, each verified
-        assert re.search(rf"hygiene before-launch on {re.escape(h.address)}: GPU hygiene on {re.escape(h.url())}: "
-                         r"CLEAN", text), text[-4000:]
+    node0, node1_block = (_hygiene(text, "before-launch", h.address) for h in hosts)
+    assert re.search(rf"^  kill  pid {holder['pid']} \(\S+\) GPU 0 {holder['mib']} MiB .*ended by SIG(TERM|KILL)$",
+                     node1_block, re.M), node1_block
+    assert node0.startswith(f"GPU hygiene on {hosts[0].url()}: CLEAN") and "  kill " not in node0, node0
+    deadline = time.monotonic() + 30
+    while stale.poll() is None:  # its scheduler ended, its main process follows
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     servers = _ranks(tmp_path)
     assert [s["target"] for s in servers] == [h.url() for h in hosts]
     assert [s["state"] for s in servers] == ["stopped", "stopped"]
     assert not any(pid_alive(s["pid"]) for s in servers)
-    assert all(_clean(h) for h in hosts)
+    assert all(sim_clean(h) for h in hosts)
     # the launch artifact shows both nodes, each with its pid and log
     (run_id,) = records(tmp_path)
     (art,) = _launch_artifacts(prefect_server, run_id)
     head, node1 = servers
-    port = re.search(r"--dist-init-addr `127\.0\.0\.2:(\d+)`", art["data"])
-    assert port and "- nodes: **2**" in art["data"], art["data"]
+    addr = re.search(r"--dist-init-addr `127\.0\.0\.2:(\d+)`", art["data"])
+    assert addr and "- nodes: **2**" in art["data"], art["data"]
     assert f"  - node 0: `127.0.0.2` pid {head['pid']} (serves HTTP), log `" in art["data"], art["data"]
     assert f"  - node 1: `127.0.0.3` pid {node1['pid']}, log `{node1['log']}`" in art["data"], art["data"]
     # node 1 ran the same command with its own rank, and joined node 0 there
     log1 = Path(node1["log"]).read_text()
-    assert f"nnodes=2, node_rank=1, dist_init_addr='127.0.0.2:{port[1]}'" in log1, log1[:2000]
-    assert f"[node link] joined node 0 at 127.0.0.2:{port[1]}" in log1, log1[-2000:]
+    assert f"nnodes=2, node_rank=1, dist_init_addr='127.0.0.2:{addr[1]}'" in log1, log1[:2000]
+    assert f"[node link] joined node 0 at 127.0.0.2:{addr[1]}" in log1, log1[-2000:]
 
 
 def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
@@ -218,7 +229,7 @@ def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
     servers = _ranks(tmp_path)
     assert [s["target"] for s in servers] == [h.url() for h in hosts] * 2  # two launches of both nodes
     assert not any(pid_alive(s["pid"]) for s in servers)
-    assert all(_clean(h) for h in hosts)
+    assert all(sim_clean(h) for h in hosts)
 
 
 def test_a_killed_datagen_run_leaves_no_rank_on_any_node(
@@ -238,103 +249,6 @@ def test_a_killed_datagen_run_leaves_no_rank_on_any_node(
     while any(pid_alive(s["pid"]) for s in servers):
         assert time.monotonic() < deadline, [s for s in servers if pid_alive(s["pid"])]
         time.sleep(0.2)
-    while not all(_clean(h) for h in hosts):
+    while not all(sim_clean(h) for h in hosts):
         assert time.monotonic() < deadline, [SimGpus(h.sim_gpus).snapshot() for h in hosts]
-        time.sleep(0.2)
-
-
-def test_hygiene_before_the_launch_ends_a_stale_rank_on_node_1_only(
-        prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
-    # A rank of an earlier server, left on node 1 after its node 0 went away: it holds GPU 0 there.
-    node1 = hosts[1]
-    with socket.create_server(("127.0.0.2", 0)) as listener:
-        port = listener.getsockname()[1]
-        env = {**os.environ, "DATAGEN_SIM_GPUS": str(node1.sim_gpus)}
-        with open(tmp_path / "stale.log", "wb") as log:
-            stale = subprocess.Popen([sys.executable, "-m", "emulator", "--model-path", f"{REPO_ROOT}/data/models/demo",
-                                      "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
-                                      f"127.0.0.2:{port}", "--host", "127.0.0.3", "--port", str(free_port("127.0.0.3")),
-                                      *FAST_EMU], env=env, cwd=REPO_ROOT, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        reap_pids.append(stale.pid)
-        conn, _ = listener.accept()
-        while "schedulers ready" not in (tmp_path / "stale.log").read_text():
-            assert stale.poll() is None, (tmp_path / "stale.log").read_text()
-            time.sleep(0.05)
-        conn.close()  # its node 0 is gone; it waits on, holding its memory
-    ((holder,),) = [g["processes"] for g in SimGpus(node1.sim_gpus).snapshot()["gpus"] if g["index"] == 0]
-    assert holder["mib"] > 0 and _clean(hosts[0])
-
-    part, ids = _partition(tmp_path, hosts, 60)
-    proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
-                          env=_env(prefect_server, tmp_path, hosts), cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=300)
-    text = proc.stdout + proc.stderr
-    (tmp_path / "run.log").write_text(text)
-    assert proc.returncode == 0, text[-4000:]
-    assert_exactly_once(tmp_path / "out", {"ds": ids})
-    node0, node1_block = (_hygiene(text, "before-launch", h.address) for h in hosts)
-    assert re.search(rf"^  kill  pid {holder['pid']} \(\S+\) GPU 0 {holder['mib']} MiB .*ended by SIG(TERM|KILL)$",
-                     node1_block, re.M), node1_block
-    assert node0.startswith(f"GPU hygiene on {hosts[0].url()}: CLEAN") and "  kill " not in node0, node0
-    deadline = time.monotonic() + 30
-    while stale.poll() is None:  # its scheduler ended, its main process follows
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert all(_clean(h) for h in hosts)
-
-
-def _launch_cfg(hosts: list[SshHost], fault: str, monkeypatch: pytest.MonkeyPatch) -> ServerConfig:
-    """The launcher's config of a tp-2 server over both hosts, with ``fault`` on one node."""
-    for key, value in hosts_env(hosts).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)  # each host's come from its sshd
-    head = hosts[0].address
-    return ServerConfig(model_path=f"{REPO_ROOT}/data/models/demo", backend="emulator", tp_size=2, gpus=(0,),
-                        host=head, port=free_port(head), peer_nodes=(hosts[1].url(),),
-                        dist_init_addr=f"{head}:{free_port(head)}",
-                        extra_args=(*FAST_EMU, "--emu-node-fault", fault))
-
-
-def _ours(cfg: ServerConfig) -> list[psutil.Process]:
-    """This launch's processes on any node (the hosts share this machine): their command line
-    names its --dist-init-addr."""
-    assert cfg.dist_init_addr is not None
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if cfg.dist_init_addr in (p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-    return found
-
-
-def test_a_node_that_never_joins_fails_the_launch_naming_the_address(
-        hosts: list[SshHost], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _launch_cfg(hosts, "1:never-join", monkeypatch)
-    with pytest.raises(LaunchFailed) as info:
-        launch(cfg, hosts[0].url(), None, str(tmp_path / "logs"), deadline_s=8)
-    failure = info.value.failure
-    assert failure.kind == "timeout", failure
-    # node 0 waits for node 1 where SGLang does: its last line
-    assert failure.explanation.startswith("not ready within 8 s (last phase: parallel_init); "), failure
-    assert (f"the process group was killed on every node: check the log for a hang, or raise the launch deadline "
-            f"for a large model; over 2 nodes every node must join node 0 at --dist-init-addr {cfg.dist_init_addr} "
-            "(reachable from each node, the same command): check each node's log") in failure.explanation, failure
-    assert re.search(r"TP0\] Init parallel begin\.\n[^\n]*SIGTERM received", info.value.log_tail), info.value.log_tail
-    assert info.value.retryable  # a timeout may be transient: the stage retries it
-    assert not _ours(cfg) and all(_clean(h) for h in hosts)
-
-
-def test_a_node_that_fails_while_loading_fails_the_launch_with_its_own_log(
-        hosts: list[SshHost], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _launch_cfg(hosts, "1:crash-after=0", monkeypatch)
-    with pytest.raises(LaunchFailed) as info:
-        launch(cfg, hosts[0].url(), None, str(tmp_path / "logs"), deadline_s=120)
-    failure = info.value.failure
-    assert failure.explanation.startswith("node 1 (127.0.0.3) of the server ended: "), failure
-    assert "emulated scheduler failure (--emu-node-fault 1:crash-after=0)" in info.value.log_tail, info.value.log_tail
-    # node 0 lived (it waits in its next collective): the launch ended it too, and cleaned nothing else
-    deadline = time.monotonic() + 30
-    while _ours(cfg) or not all(_clean(h) for h in hosts):
-        assert time.monotonic() < deadline, _ours(cfg)
         time.sleep(0.2)

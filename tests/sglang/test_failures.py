@@ -8,15 +8,20 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from emulator.simgpu import ENV_VAR
+from tasks.config import ConfigError, load_partition
 from tasks.server import LaunchFailed, ServerConfig, launch
 from tests.support.common import PortTaker, free_port, impostor_server, pid_alive
-from tests.support.sglang import DEADLINE_S, cpu_config
+from tests.support.paths import REPO_ROOT
+from tests.support.sglang import CPU_ARGS, DEADLINE_S, cpu_config, sglang_python
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -143,3 +148,48 @@ def test_trust_remote_code_and_speculative_flags_reach_the_real_server_args(tiny
                  "'speculative_num_draft_tokens': 4"):
         assert said in args.group(1)
     assert info.value.failure.kind not in ("too_low", "too_high", "kv_pool_exhausted")
+
+
+# Shapes SGLang refuses when it parses its flags: (its flags, SGLang's last line, the partition's
+# tp_size and extra_args, what datagen's load says). datagen refuses each at load, before any launch.
+NODE_SHAPES = [
+    (["--tp-size", "1"], "AssertionError: tp_size must be divisible by number of nodes", 1, [],
+     "server.targets[0].tp_size: tp_size=1: tp_size x pp_size = 1 is not a multiple of the 2 nodes"),
+    (["--tp-size", "2", "--dp-size", "2"],
+     "AssertionError: multi-node data-parallel replicas are not supported; use attention DP (--attn-dp-size) "
+     "across nodes", 2, ["--dp-size", "2"], "server.extra_args: extra_args=('--dp-size', '2'): --dp-size 2 over 2 nodes"),
+]
+
+
+def test_node_shapes_sglang_refuses_are_refused_alike_by_the_emulator_and_at_load(
+        tiny_model: Path, tmp_path: Path) -> None:
+    def flags(extra: list[str]) -> list[str]:
+        return ["--model-path", str(tiny_model), "--host", "127.0.0.1", "--port", str(free_port()), *extra,
+                "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    # the real servers at once: each pays SGLang's import (about 10 s here) before it refuses
+    real = [subprocess.Popen([str(sglang_python()), "-m", "sglang.launch_server", *flags(shape[0]), *CPU_ARGS],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for shape in NODE_SHAPES]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in real]
+    finally:
+        for p in real:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    for (extra, line, tp, extra_args, said), proc, out in zip(NODE_SHAPES, real, outs, strict=True):
+        assert proc.returncode == 1 and out.rstrip().splitlines()[-1] == line, out[-2000:]
+        emu = subprocess.run([sys.executable, "-m", "emulator", *flags(extra)], capture_output=True, text=True,
+                             timeout=60, cwd=REPO_ROOT, env=env)
+        assert emu.returncode == 1 and emu.stderr.rstrip().splitlines()[-1] == line, emu.stderr
+        part = tmp_path / "p.toml"
+        part.write_text(f'[datasets]\nx = "in.jsonl"\n[model]\npath = "{tiny_model}"\n[server]\n'
+                        f'extra_args = {json.dumps(extra_args)}\n'
+                        f'targets = [{{ nodes = ["ssh://gpu1", "ssh://gpu2"], tp_size = {tp} }}]\n'
+                        '[output]\nroot = "o"\n')
+        with pytest.raises(ConfigError) as refused:
+            load_partition(part)
+        assert str(refused.value).startswith(f"{part}: {said}"), str(refused.value)

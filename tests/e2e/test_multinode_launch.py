@@ -1,0 +1,84 @@
+"""The launcher on a server over two nodes, each a real sshd host on its own loopback address with
+its own simulated GPUs: a node that never joins node 0 fails the launch with the address named, one
+that fails while loading fails it with its own log, and nothing is left on either node."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tasks.server import LaunchFailed, ServerConfig, launch
+from tests.support.common import free_port
+from tests.support.multinode import sim_clean, two_hosts
+from tests.support.paths import REPO_ROOT
+from tests.support.runs import FAST_EMU
+from tests.support.sshd import SshHost, hosts_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
+    yield from two_hosts(tmp_path, ["127.0.0.4", "127.0.0.5"])
+
+
+def _launch_cfg(hosts: list[SshHost], fault: str, monkeypatch: pytest.MonkeyPatch) -> ServerConfig:
+    """The launcher's config of a tp-2 server over both hosts, with ``fault`` on one node."""
+    for key, value in hosts_env(hosts).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("DATAGEN_SIM_GPUS", raising=False)  # each host's come from its sshd
+    head = hosts[0].address
+    return ServerConfig(model_path=f"{REPO_ROOT}/data/models/demo", backend="emulator", tp_size=2, gpus=(0,),
+                        host=head, port=free_port(head), peer_nodes=(hosts[1].url(),),
+                        dist_init_addr=f"{head}:{free_port(head)}",
+                        extra_args=(*FAST_EMU, "--emu-node-fault", fault))
+
+
+def _ours(cfg: ServerConfig) -> list[psutil.Process]:
+    """This launch's processes on any node (the hosts share this machine): their command line
+    names its --dist-init-addr."""
+    assert cfg.dist_init_addr is not None
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if cfg.dist_init_addr in (p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
+def test_a_node_that_never_joins_fails_the_launch_naming_the_address(
+        hosts: list[SshHost], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _launch_cfg(hosts, "1:never-join", monkeypatch)
+    with pytest.raises(LaunchFailed) as info:
+        launch(cfg, hosts[0].url(), None, str(tmp_path / "logs"), deadline_s=8)
+    failure = info.value.failure
+    assert failure.kind == "timeout", failure
+    # node 0 waits for node 1 where SGLang does: its last line
+    assert failure.explanation.startswith("not ready within 8 s (last phase: parallel_init); "), failure
+    assert (f"the process group was killed on every node: check the log for a hang, or raise the launch deadline "
+            f"for a large model; over 2 nodes every node must join node 0 at --dist-init-addr {cfg.dist_init_addr} "
+            "(reachable from each node, the same command): check each node's log") in failure.explanation, failure
+    assert re.search(r"TP0\] Init parallel begin\.\n[^\n]*SIGTERM received", info.value.log_tail), info.value.log_tail
+    assert info.value.retryable  # a timeout may be transient: the stage retries it
+    assert not _ours(cfg) and all(sim_clean(h) for h in hosts)
+
+
+def test_a_node_that_fails_while_loading_fails_the_launch_with_its_own_log(
+        hosts: list[SshHost], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _launch_cfg(hosts, "1:crash-after=0", monkeypatch)
+    with pytest.raises(LaunchFailed) as info:
+        launch(cfg, hosts[0].url(), None, str(tmp_path / "logs"), deadline_s=120)
+    failure = info.value.failure
+    assert failure.explanation.startswith("node 1 (127.0.0.5) of the server ended: "), failure
+    assert "emulated scheduler failure (--emu-node-fault 1:crash-after=0)" in info.value.log_tail, info.value.log_tail
+    # node 0 lived (it waits in its next collective): the launch ended it too, and cleaned nothing else
+    deadline = time.monotonic() + 30
+    while _ours(cfg) or not all(sim_clean(h) for h in hosts):
+        assert time.monotonic() < deadline, _ours(cfg)
+        time.sleep(0.2)
