@@ -617,7 +617,8 @@ def _end(server: _Server, name: str) -> str:
                 continue
             handle = server.handle
             logger.error("server %s could not be stopped (%s): clean its GPUs once %s answers "
-                         "(datagen clean-gpus --host %s)", name, _short(exc), ctx.host, ctx.target)
+                         "(%s)", name, _short(exc), ctx.host,
+                         "; ".join(f"datagen clean-gpus --host {node}" for node in ctx.nodes))
             return f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
 
 

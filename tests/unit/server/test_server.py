@@ -242,6 +242,24 @@ def test_progress_new_form_and_incremental():
     assert p.headroom_gib == 0.80 and p.weights_gib == 60.0
 
 
+# SGLang 0.5.23 on CPU, node 0 of `--tp-size 2 --nnodes 2` (2026-12-07): it waited 23 s at "Init parallel
+# begin." until node 1 joined
+NODE0_LOG = """\
+[2026-12-07 16:44:50 TP0] Init parallel begin.
+[2026-12-07 16:44:50 TP0] init_threads_binding: numa_index=0, world_size=2, local_omp_cpuid=0
+[2026-12-07 16:45:13 TP0] Init parallel ends. elapsed=23.06 s
+[2026-12-07 16:45:14 TP0] Load weight begin. avail mem=20.98 GB
+"""
+
+
+def test_progress_says_when_the_ranks_wait_to_join():
+    lines = NODE0_LOG.splitlines(keepends=True)
+    p = parse_progress("".join(lines[:3]))
+    assert p.phase == "parallel_init"  # what a launch timed out in: a node that never joined
+    parse_progress("".join(lines[3:]) + NEW_LOG, p)
+    assert p.phase == "cuda_graph"
+
+
 SPECULATIVE_EP_LOG = """\
 [2026-12-01 10:00:10 TP0 EP0] Capture cuda graph begin. This can take up to several minutes. avail mem=9.00 GB
 [2026-12-01 10:00:20 TP0 EP0] Capture cuda graph end. Time elapsed: 9.9 s. mem usage=0.40 GB. avail mem=8.60 GB.
