@@ -11,7 +11,6 @@ on any node; a stale rank on node 1 is found and ended by the hygiene before the
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -29,7 +28,7 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.server._leash import LEASH_GRACE_S
 from tests.support.common import free_port, pid_alive
-from tests.support.multinode import sim_clean, two_hosts
+from tests.support.hosts import emulator_partition, sim_clean, sshd_hosts
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import FAST_EMU, assert_exactly_once, records
@@ -42,49 +41,25 @@ ADDRESSES = ["127.0.0.2", "127.0.0.3"]
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
-    yield from two_hosts(tmp_path, ADDRESSES)
+    yield from sshd_hosts(tmp_path, ADDRESSES)
 
 
 @pytest.fixture
 def other_hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
     """Two hosts no other test of this file uses: a killed run's ``gpu:<host>`` slots outlive it
     until their lease expires (60 s), which the next test on the same hosts would wait out."""
-    yield from two_hosts(tmp_path, ["127.0.0.7", "127.0.0.8"])
+    yield from sshd_hosts(tmp_path, ["127.0.0.7", "127.0.0.8"])
 
 
-def _partition(tmp: Path, hosts: list[SshHost], n: int, run: str = "") -> tuple[Path, list[str]]:
-    """``n`` rows for one server with tp 2 over both hosts (one GPU on each)."""
-    ids = [f"row-{i:04d}" for i in range(n)]
-    (tmp / "ds.jsonl").write_text("".join(
-        json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in ids))
+def _partition(tmp: Path, hosts: list[SshHost], n: int) -> tuple[Path, list[str]]:
+    """``n`` rows for one server with tp 2 over both hosts (one GPU on each); node 0 logs the
+    requests it serves."""
     head = hosts[0].address
     nodes = ", ".join(f'"{h.url()}"' for h in hosts)
-    part = tmp / "two-nodes.toml"
-    part.write_text(f"""name = "two-nodes"
-[datasets]
-ds = "{tmp / 'ds.jsonl'}"
-[model]
-path = "{REPO_ROOT}/data/models/demo"
-reasoning_parser = "qwen3"
-[server]
-backend = "emulator"
-extra_args = {json.dumps([*FAST_EMU, "--emu-decode-ms-per-step", "8"])}
-targets = [{{ nodes = [{nodes}], gpus = [0], tp_size = 2, port = {free_port(head)}, flags = {{ host = "{head}", env = {{ DATAGEN_EMU_REQUEST_LOG = "{tmp / 'requests.log'}" }} }} }}]
-[run]
-shard_size = 25
-concurrency = 6
-hygiene_grace_s = 1
-capacity_probe_tokens = 0
-max_relaunches = 2
-hang_timeout_s = 5
-host_wait_s = 5
-{run}
-[sampling]
-max_new_tokens = 256
-[output]
-root = "{tmp / 'out'}"
-""")
-    return part, ids
+    entry = (f'{{ nodes = [{nodes}], gpus = [0], tp_size = 2, port = {free_port(head)}, flags = {{ host = "{head}", '
+             f'env = {{ DATAGEN_EMU_REQUEST_LOG = "{tmp / "requests.log"}" }} }} }}')
+    return emulator_partition(tmp, n, [entry], 8, "max_relaunches = 2\nhang_timeout_s = 5\nhost_wait_s = 5",
+                              name="two-nodes")
 
 
 def _env(prefect_server: PrefectServer, tmp: Path, hosts: list[SshHost]) -> dict[str, str]:

@@ -15,7 +15,7 @@ import pytest
 
 from tasks.server import LaunchFailed, ServerConfig, launch
 from tests.support.common import free_port
-from tests.support.multinode import sim_clean, two_hosts
+from tests.support.hosts import sim_clean, sshd_hosts
 from tests.support.paths import REPO_ROOT
 from tests.support.runs import FAST_EMU
 from tests.support.sshd import SshHost, hosts_env
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
-    yield from two_hosts(tmp_path, ["127.0.0.4", "127.0.0.5"])
+    yield from sshd_hosts(tmp_path, ["127.0.0.4", "127.0.0.5"])
 
 
 def _launch_cfg(hosts: list[SshHost], fault: str, monkeypatch: pytest.MonkeyPatch) -> ServerConfig:

@@ -6,7 +6,6 @@ others; servers that hang are killed and relaunched on their own GPUs."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -22,10 +21,11 @@ import pytest
 
 from emulator.simgpu import SimGpus
 from tests.support.common import free_port, pid_alive
+from tests.support.hosts import emulator_partition, sshd_hosts
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
-from tests.support.runs import FAST_EMU, assert_exactly_once, records
-from tests.support.sshd import SSHD, SshHost, hosts_env, start_hosts, stop_hosts, stop_sshd
+from tests.support.runs import assert_exactly_once, records
+from tests.support.sshd import SshHost, hosts_env, stop_sshd
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -34,43 +34,7 @@ ADDRESSES = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
-    if not os.path.exists(SSHD):
-        pytest.skip("openssh-server is not installed: apt-get install -y openssh-server")
-    started = start_hosts(tmp_path / "hosts", ADDRESSES)
-    try:
-        yield started
-    finally:
-        stop_hosts(started)
-
-
-def _partition(tmp: Path, n: int, targets: list[str], decode_ms: int, run: str) -> tuple[Path, list[str]]:
-    """An emulator partition of one dataset of ``n`` rows over ``targets`` (TOML entries)."""
-    ids = [f"row-{i:04d}" for i in range(n)]
-    (tmp / "ds.jsonl").write_text("".join(
-        json.dumps({"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in ids))
-    part = tmp / "scale.toml"
-    part.write_text(f"""name = "scale"
-[datasets]
-ds = "{tmp / 'ds.jsonl'}"
-[model]
-path = "{REPO_ROOT}/data/models/demo"
-reasoning_parser = "qwen3"
-[server]
-backend = "emulator"
-extra_args = {json.dumps([*FAST_EMU, "--emu-decode-ms-per-step", str(decode_ms)])}
-targets = [{", ".join(targets)}]
-[run]
-shard_size = 25
-concurrency = 6
-hygiene_grace_s = 1
-capacity_probe_tokens = 0
-{run}
-[sampling]
-max_new_tokens = 256
-[output]
-root = "{tmp / 'out'}"
-""")
-    return part, ids
+    yield from sshd_hosts(tmp_path, ADDRESSES)
 
 
 def _hosts_partition(tmp: Path, hosts: list[SshHost], n: int, decode_ms: int) -> tuple[Path, list[str]]:
@@ -81,7 +45,7 @@ def _hosts_partition(tmp: Path, hosts: list[SshHost], n: int, decode_ms: int) ->
         log = tmp / f"requests-{h.address}.log"
         entries.append(f'{{ target = "{h.url()}", port = {free_port(h.address)}, flags = {{ host = "{h.address}", '
                        f'env = {{ DATAGEN_EMU_REQUEST_LOG = "{log}" }} }} }}')
-    return _partition(tmp, n, entries, decode_ms, "max_relaunches = 2\nhang_timeout_s = 5\nhost_wait_s = 5")
+    return emulator_partition(tmp, n, entries, decode_ms, "max_relaunches = 2\nhang_timeout_s = 5\nhost_wait_s = 5")
 
 
 def _requests(tmp: Path, address: str) -> list[tuple[str, str]]:
@@ -166,7 +130,7 @@ def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
     # Two local servers (GPU 0 and GPU 1) that each hang after 40 requests: /health_generate fails
     # while the process lives. The watchdog kills each, the requests it held go to the other or to
     # its relaunch (budget 2 per server), and the 120 rows complete exactly once.
-    part, ids = _partition(
+    part, ids = emulator_partition(
         tmp_path, 120, ['{ target = "local", gpus = [[0], [1]], '
                         'flags = { env = { DATAGEN_EMU_ARGS = "--emu-hang-after 40" } } }'],
         decode_ms=4, run="max_relaunches = 2\nhang_timeout_s = 2")
@@ -193,7 +157,7 @@ def test_hung_servers_are_killed_and_relaunched_on_their_own_gpus(
 
 def test_several_server_urls_share_the_work_with_no_launch_and_no_hygiene(
         prefect_server: PrefectServer, tmp_path: Path, emulator_factory) -> None:  # type: ignore[no-untyped-def]
-    part, ids = _partition(tmp_path, 150, ['"local"'], decode_ms=4, run="")
+    part, ids = emulator_partition(tmp_path, 150, ['"local"'], decode_ms=4, run="")
     servers = [emulator_factory(["--emu-decode-ms-per-step", "4", "--emu-request-log", str(tmp_path / f"req-{i}.log")])
                for i in range(2)]
     env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp_path / "state"), DATAGEN_RUN_DIR=str(tmp_path / "run"))
@@ -217,7 +181,7 @@ def test_the_samples_of_a_prompt_meet_one_servers_cache_through_datagen_run(
         prefect_server: PrefectServer, tmp_path: Path, emulator_factory, dispatch: str) -> None:  # type: ignore[no-untyped-def]
     # Three running servers, four samples per prompt: with prefix-aware dispatch (the default) a
     # prompt's samples go where its first sample went, so that server's radix cache serves them.
-    part, ids = _partition(tmp_path, 60, ['"local"'], decode_ms=4,
+    part, ids = emulator_partition(tmp_path, 60, ['"local"'], decode_ms=4,
                            run="samples = 4" + ('\ndispatch = "free"' if dispatch == "free" else ""))
     servers = [emulator_factory(["--emu-decode-ms-per-step", "4", "--emu-request-log", str(tmp_path / f"req-{i}.log")])
                for i in range(3)]
