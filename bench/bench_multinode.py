@@ -106,6 +106,30 @@ def _round(work: Path) -> dict[str, float]:
         stop_hosts(hosts)
 
 
+CONCURRENCY = 6  # emulator_partition's run.concurrency: the most rows in flight at the kill
+
+
+def run(quick: bool) -> list[dict[str, object]]:
+    """``make bench``'s rows: 1 round quick, else 3 (medians)."""
+    rounds = []
+    for i in range(1 if quick else 3):
+        with tempfile.TemporaryDirectory(prefix="bench-multinode-") as tmp:
+            rounds.append(_round(Path(tmp) / f"round-{i}"))
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    ended, serving, twice = median("to_ended_s"), median("to_serving_s"), median("sent_twice")
+    return [
+        {"metric": "rank killed on node 1 -> server ended on every node", "value": ended, "unit": "s",
+         "target": f"< {RANK_EVERY_S + 2:g} (watch every {RANK_EVERY_S:g} s)", "ok": ended < RANK_EVERY_S + 2},
+        {"metric": "rank killed on node 1 -> relaunched server serving", "value": serving, "unit": "s",
+         "target": "< 30 (run.hang_timeout_s)", "ok": serving < 30},
+        {"metric": "rows sent twice after the kill", "value": twice, "unit": "rows",
+         "target": f"<= {CONCURRENCY} (in flight)", "ok": twice <= CONCURRENCY},
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
