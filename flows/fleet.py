@@ -506,6 +506,8 @@ def _record_ready(server: _Server) -> None:
                            log=str(handle.log_path), plan=plan_key(ctx), port=_server_port(handle),
                            fraction=handle.fraction)
     for rank in handle.ranks:  # nodes 1..: recorded too, each ended by its own leash should the run die
+        # a new entry first: another host's server may have the same pid, and must keep its own
+        runrecord.server_started(ctx.run_id, rank.target, rank.pid, rank.pid)
         runrecord.server_ready(ctx.run_id, rank.pid, target=rank.target, pgid=rank.pid, url="",
                                log=rank.log_path)
 

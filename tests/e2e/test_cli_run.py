@@ -60,13 +60,15 @@ def test_configuration_errors_exit_2_with_one_line_naming_file_and_key(tmp_path:
         "sampling": base + '[sampling]\ntemperature = "hot"\n',
         "python": base + 'python = "/no/such"\n',
         "host": base + 'host = "0.0.0.0"\n',
+        # a server over two nodes whose tp does not split over them (SGLang refuses it as it starts)
+        "nodes": base + 'targets = [{ nodes = ["ssh://gpu1", "ssh://gpu2"], tp_size = 3 }]\n',
     }
     for name, body in bodies.items():
         (tmp_path / f"{name}.toml").write_text(body)
     results = _cli({name: ["run", "--partition", str(tmp_path / f"{name}.toml")] for name in bodies}, tmp_path)
     # every case of tests/unit/config names its key the same way; here: the command line's exit and output
     keys = {"journal": "datasets._journal", "sampling": "sampling.temperature", "python": "server.python",
-            "host": "server.host"}
+            "host": "server.host", "nodes": "server.targets[0].tp_size"}
     for name, res in results.items():
         prefix = f"datagen run: configuration error: {tmp_path / name}.toml: {keys[name]}: "
         assert res.returncode == 2, (name, res.stderr)
