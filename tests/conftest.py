@@ -69,7 +69,8 @@ HEAVIEST_FIRST = (
     "tests/sglang/test_user_path.py",  # about 100 s (the --server-url runs moved to test_differential.py)
     "tests/e2e/test_ui.py",  # 171 s
     "tests/e2e/test_scale_out.py",  # 142 s
-    "tests/e2e/test_multinode.py",  # about 75 s: three `datagen run`s of a server over two sshd hosts
+    "tests/e2e/test_multinode.py",  # about 70 s: three `datagen run`s of a server over two sshd hosts
+    "tests/e2e/test_multinode_faults.py",  # about 85 s: two failed launches and a node lost for 15 s
     "tests/e2e/test_flow_recovery.py",  # 103 s
     "tests/e2e/test_goodput_faults.py",  # about 40 s: a kill -9 and its relaunch, a stalled reader
     "tests/e2e/test_goodput.py",  # about 40 s: two `datagen run`s with a long tail
@@ -79,7 +80,6 @@ HEAVIEST_FIRST = (
     "tests/e2e/test_readme_production.py",  # 72 s
     "tests/sglang/test_failures.py",  # 71 s
     "tests/e2e/test_postgres.py",  # 66 s
-    "tests/e2e/test_multinode_launch.py",  # about 30 s: two failed launches over two sshd hosts
     "tests/e2e/test_server_emulator.py",  # 65 s
     "tests/e2e/test_damaged_output.py",  # 63 s
     "tests/e2e/test_ui_story.py",  # 48 s

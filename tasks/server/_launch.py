@@ -62,7 +62,7 @@ from tasks.server._log import (
     parse_progress,
 )
 from tasks.server._port import bind_refused, describe_holders, held_by, listeners_on
-from tasks.targets import host_of, on_each, parse_target, run_command, start_detached
+from tasks.targets import TargetUnreachable, host_of, on_each, parse_target, run_command, start_detached
 
 __all__ = [
     "API_KEY_ENV",
@@ -117,11 +117,16 @@ class NodeRank:
         return host_of(self.target)
 
     def is_alive(self) -> bool:
-        """Whether its main process runs (an SSH failure reads as alive: see _remote.is_alive)."""
+        """Whether its main process runs. A node that cannot be reached reads as alive (unknown, as
+        _remote.is_alive reads an SSH failure): node 0's hang watchdog and the host checks of the
+        lifecycle handle a lost node; the rank watch acts only on a rank seen gone."""
         if self._popen is not None:
             return self._popen.poll() is None
         if not _is_local(self.target):
-            return server_remote.is_alive(self.target, self.pid)
+            try:
+                return server_remote.is_alive(self.target, self.pid)
+            except TargetUnreachable:
+                return True
         return bool(live_pids([self.pid]))
 
     def read_log(self, max_bytes: int = 4 << 20) -> str:

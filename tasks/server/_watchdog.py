@@ -73,7 +73,7 @@ class HangWatchdog:
                 ok = probe.get(f"{self.server.url}/health_generate").status_code == 200
             except httpx.HTTPError:
                 ok = False
-            if ok or not self.server.is_alive():
+            if ok or not self._alive():
                 failing_since = None  # a dead server is the client's to notice (connection refused)
                 continue
             failing_since = failing_since or time.monotonic()
@@ -82,9 +82,15 @@ class HangWatchdog:
                                   "killing its process group %s to relaunch", self.server.url,
                                   self.timeout_s, self.server.pgid)
                 self.fired = True
-                # Kill only (no hygiene here): the relaunch path diagnoses, stops and cleans.
-                stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
+                self._kill()
                 return
+
+    def _alive(self) -> bool:
+        """Whether the server lives; unknown (its host does not answer) reads as alive: the watch goes on."""
+        try:
+            return self.server.is_alive()
+        except Exception:
+            return True
 
     def _rank_lost(self) -> bool:
         """A node rank >= 1 has ended: end the whole server (True)."""
@@ -95,8 +101,18 @@ class HangWatchdog:
                           "ending the server on every node to relaunch it", self.server.url, dead.rank,
                           dead.host, dead.pid)
         self.lost_rank = self.server.lost_rank = dead
-        stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
+        self._kill()
         return True
+
+    def _kill(self) -> None:
+        """Kill only (no hygiene here): the relaunch path diagnoses, stops and cleans. A node that
+        cannot be reached is left to its rank's guardian (its SSH channel closes with the node) and
+        to the stop, which waits for the node."""
+        try:
+            stop_server(self.server, grace_s=1.0, hygiene=None, verify=False)
+        except Exception as exc:
+            self.logger.warning("server %s: not every node could be reached to kill it (%s); what runs there "
+                                "is ended by the stop or by its guardian", self.server.url, exc)
 
     def stop(self) -> None:
         """End the watch (waits for the thread, at most 15 s)."""

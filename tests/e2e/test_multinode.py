@@ -1,8 +1,8 @@
 """One server over two nodes (SGLang's --nnodes 2): two hosts, each a real sshd on its own loopback
 address (127.0.0.2, .3) with its own simulated GPUs, reached over ssh:// as the scale-out tests do.
 The emulator's ranks join node 0 at --dist-init-addr as SGLang's do; node 0 alone serves HTTP.
-The launcher's own failures (a node that never joins, one that fails while loading) are in
-test_multinode_launch.py.
+A node that never joins, one that fails while loading and one that drops off the network are in
+test_multinode_faults.py.
 
 What a person who has launched a two-node server by hand expects: every row once; a rank killed on
 node 1 takes the whole server down (node 0 would hang in its next collective) and the server is
@@ -28,11 +28,20 @@ import pytest
 from emulator.simgpu import SimGpus
 from tasks.server._leash import LEASH_GRACE_S
 from tests.support.common import free_port, pid_alive
-from tests.support.hosts import emulator_partition, sim_clean, sshd_hosts
+from tests.support.hosts import (
+    recorded_servers,
+    run_env,
+    served_rows,
+    sim_clean,
+    sshd_hosts,
+    start_run,
+    two_node_partition,
+    wait_rows,
+)
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import FAST_EMU, assert_exactly_once, records
-from tests.support.sshd import SshHost, hosts_env
+from tests.support.sshd import SshHost
 
 pytestmark = pytest.mark.slow
 DATAGEN = str(Path(sys.executable).parent / "datagen")
@@ -49,35 +58,6 @@ def other_hosts(tmp_path: Path) -> Iterator[list[SshHost]]:
     """Two hosts no other test of this file uses: a killed run's ``gpu:<host>`` slots outlive it
     until their lease expires (60 s), which the next test on the same hosts would wait out."""
     yield from sshd_hosts(tmp_path, ["127.0.0.7", "127.0.0.8"])
-
-
-def _partition(tmp: Path, hosts: list[SshHost], n: int) -> tuple[Path, list[str]]:
-    """``n`` rows for one server with tp 2 over both hosts (one GPU on each); node 0 logs the
-    requests it serves."""
-    head = hosts[0].address
-    nodes = ", ".join(f'"{h.url()}"' for h in hosts)
-    entry = (f'{{ nodes = [{nodes}], gpus = [0], tp_size = 2, port = {free_port(head)}, flags = {{ host = "{head}", '
-             f'env = {{ DATAGEN_EMU_REQUEST_LOG = "{tmp / "requests.log"}" }} }} }}')
-    return emulator_partition(tmp, n, [entry], 8, "max_relaunches = 2\nhang_timeout_s = 5\nhost_wait_s = 5",
-                              name="two-nodes")
-
-
-def _env(prefect_server: PrefectServer, tmp: Path, hosts: list[SshHost]) -> dict[str, str]:
-    env = prefect_server.env(DATAGEN_STATE_DIR=str(tmp / "state"), DATAGEN_RUN_DIR=str(tmp / "run"),
-                             **hosts_env(hosts))
-    env.pop("DATAGEN_SIM_GPUS", None)  # each host's come from its sshd
-    return env
-
-
-def _done(tmp: Path) -> list[str]:
-    path = tmp / "requests.log"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [line.split(" ", 1)[1].rpartition("@")[0] for line in lines if line.startswith("done ")]
-
-
-def _ranks(tmp: Path) -> list[dict]:
-    (record,) = records(tmp).values()
-    return record["servers"]
 
 
 def _hygiene(text: str, phase: str, address: str) -> str:
@@ -97,21 +77,6 @@ def _hygiene(text: str, phase: str, address: str) -> str:
 def _launch_artifacts(prefect_server: PrefectServer, run_id: str) -> list[dict]:
     body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"like_": "server-launch"}}}
     return httpx.post(f"{prefect_server.api_url}/artifacts/filter", json=body, timeout=30).raise_for_status().json()
-
-
-def _start(part: Path, tmp: Path, env: dict[str, str], reap_pids: list[int]) -> subprocess.Popen[bytes]:
-    with open(tmp / "run.log", "wb") as log:
-        proc = subprocess.Popen([DATAGEN, "run", "--partition", str(part), "--out", str(tmp / "out")], env=env,
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    reap_pids.append(proc.pid)
-    return proc
-
-
-def _wait_rows(proc: subprocess.Popen[bytes], tmp: Path, rows: int) -> None:
-    """Until ``rows`` rows were generated (the run must progress: it fails the test when it ends first)."""
-    while len(_done(tmp)) < rows:
-        assert proc.poll() is None, (tmp / "run.log").read_text()[-4000:]
-        time.sleep(0.05)
 
 
 def test_a_server_over_two_nodes_cleans_a_stale_rank_on_node_1_then_generates_every_row_once(
@@ -136,15 +101,15 @@ def test_a_server_over_two_nodes_cleans_a_stale_rank_on_node_1_then_generates_ev
     ((holder,),) = [g["processes"] for g in SimGpus(victim.sim_gpus).snapshot()["gpus"] if g["index"] == 0]
     assert holder["mib"] > 0 and sim_clean(hosts[0])
 
-    part, ids = _partition(tmp_path, hosts, 120)
+    part, ids = two_node_partition(tmp_path, hosts, 120)
     proc = subprocess.run([DATAGEN, "run", "--partition", str(part), "--out", str(tmp_path / "out")],
-                          env=_env(prefect_server, tmp_path, hosts), cwd=REPO_ROOT, capture_output=True,
+                          env=run_env(prefect_server, tmp_path, hosts), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)
     text = proc.stdout + proc.stderr
     (tmp_path / "run.log").write_text(text)
     assert proc.returncode == 0, text[-4000:]
     assert_exactly_once(tmp_path / "out", {"ds": ids})
-    assert sorted(_done(tmp_path)) == sorted(ids)
+    assert sorted(served_rows(tmp_path)) == sorted(ids)
     name = "127.0.0.2+127.0.0.3[gpu 0]"
     assert f"servers (final): {name} 120 rows " in text, text[-3000:]
     assert f"server {name} lifecycle: pending -> starting -> serving -> stopped" in text, text[-3000:]
@@ -156,7 +121,7 @@ def test_a_server_over_two_nodes_cleans_a_stale_rank_on_node_1_then_generates_ev
     while stale.poll() is None:  # its scheduler ended, its main process follows
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    servers = _ranks(tmp_path)
+    servers = recorded_servers(tmp_path)
     assert [s["target"] for s in servers] == [h.url() for h in hosts]
     assert [s["state"] for s in servers] == ["stopped", "stopped"]
     assert not any(pid_alive(s["pid"]) for s in servers)
@@ -177,10 +142,10 @@ def test_a_server_over_two_nodes_cleans_a_stale_rank_on_node_1_then_generates_ev
 
 def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
         prefect_server: PrefectServer, hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
-    part, ids = _partition(tmp_path, hosts, 240)
-    proc = _start(part, tmp_path, _env(prefect_server, tmp_path, hosts), reap_pids)
-    _wait_rows(proc, tmp_path, 30)
-    head, node1 = _ranks(tmp_path)
+    part, ids = two_node_partition(tmp_path, hosts, 240)
+    proc = start_run(part, tmp_path, run_env(prefect_server, tmp_path, hosts), reap_pids)
+    wait_rows(proc, tmp_path, 30)
+    head, node1 = recorded_servers(tmp_path)
     reap_pids.extend([head["pid"], node1["pid"]])
     assert node1["target"] == hosts[1].url()
     os.killpg(node1["pgid"], signal.SIGKILL)  # the rank on node 1, and its schedulers
@@ -188,7 +153,7 @@ def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
     text = (tmp_path / "run.log").read_text()
 
     assert_exactly_once(tmp_path / "out", {"ds": ids})
-    done = Counter(_done(tmp_path))
+    done = Counter(served_rows(tmp_path))
     assert sorted(done) == sorted(ids) and set(done.values()) == {1}  # no finished row generated twice
     name = "127.0.0.2+127.0.0.3[gpu 0]"
     assert (f"node 1 (127.0.0.3, pid {node1['pid']}) has ended: node 0 would hang in its next collective; "
@@ -201,7 +166,7 @@ def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
     for h in hosts:
         assert re.search(rf"hygiene relaunch-1 on {re.escape(h.address)}: GPU hygiene on {re.escape(h.url())}: "
                          r"CLEAN", text), text[-4000:]
-    servers = _ranks(tmp_path)
+    servers = recorded_servers(tmp_path)
     assert [s["target"] for s in servers] == [h.url() for h in hosts] * 2  # two launches of both nodes
     assert not any(pid_alive(s["pid"]) for s in servers)
     assert all(sim_clean(h) for h in hosts)
@@ -210,10 +175,10 @@ def test_a_rank_killed_on_node_1_relaunches_the_whole_server(
 def test_a_killed_datagen_run_leaves_no_rank_on_any_node(
         prefect_server: PrefectServer, other_hosts: list[SshHost], tmp_path: Path, reap_pids: list[int]) -> None:
     hosts = other_hosts
-    part, _ = _partition(tmp_path, hosts, 240)
-    proc = _start(part, tmp_path, _env(prefect_server, tmp_path, hosts), reap_pids)
-    _wait_rows(proc, tmp_path, 20)
-    servers = _ranks(tmp_path)
+    part, _ = two_node_partition(tmp_path, hosts, 240)
+    proc = start_run(part, tmp_path, run_env(prefect_server, tmp_path, hosts), reap_pids)
+    wait_rows(proc, tmp_path, 20)
+    servers = recorded_servers(tmp_path)
     reap_pids.extend(s["pid"] for s in servers)
     assert [s["target"] for s in servers] == [h.url() for h in hosts]
     proc.send_signal(signal.SIGKILL)
