@@ -9,6 +9,7 @@ stdlib probe (``tasks.gpus.port_listeners``, through ``tasks.hygiene.port_listen
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import logging
 import socket
@@ -104,14 +105,47 @@ def _short(cmdline: str, width: int = 120) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-# A free port on a target: bound on the address asked for when the target has it, else on all of
-# its addresses (a --dist-init-addr host may be an address the target is reached by, not its own).
-_FREE_PORT = ("import socket, sys\ns = socket.socket()\ntry:\n    s.bind((sys.argv[1], 0))\n"
-              "except OSError:\n    s.bind(('', 0))\nprint(s.getsockname()[1])")
+# SGLang takes the ports just above --dist-init-addr's on node 0 too (its derived ZMQ and NCCL ports,
+# six in 0.5.23: server_args.py, NUM_DERIVED_PORTS), waiting when one is taken: the port picked is
+# the first of a free block this long.
+DIST_INIT_BLOCK = 8
+
+
+def _free_block(host: str, n: int) -> int:
+    """A port P free on this machine with P+1..P+n-1 free too (bound on ``host`` when it is one of
+    this machine's addresses, else on all of them). Runs here or, shipped as source, on a target."""
+    import socket as _s
+
+    for _ in range(64):
+        with _s.socket() as first:
+            try:
+                first.bind((host, 0))
+                where = host
+            except OSError:
+                first.bind(("", 0))
+                where = ""
+            port = first.getsockname()[1]
+        if port + n > 65536:
+            continue
+        ok = True
+        for q in range(port, port + n):
+            with _s.socket() as probe:
+                try:
+                    probe.bind((where, q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return int(port)
+    raise OSError(f"no block of {n} free ports found for {host}")
+
+
+_FREE_PORT = inspect.getsource(_free_block) + "import sys\nprint(_free_block(sys.argv[1], int(sys.argv[2])))\n"
 
 
 def free_port_on(target: str | Target, host: str) -> int:
-    """A TCP port free on ``target`` now (for ``host``): what a launch names in ``--dist-init-addr``.
+    """A TCP port free on ``target`` now (for ``host``), with the ports SGLang derives from it free
+    too: what a launch names in ``--dist-init-addr``.
 
     Raises:
         TargetUnreachable: the target cannot be reached.
@@ -119,13 +153,8 @@ def free_port_on(target: str | Target, host: str) -> int:
     """
     t = parse_target(target)
     if t.is_local:
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, 0))
-            except OSError:
-                sock.bind(("", 0))
-            return int(sock.getsockname()[1])
-    res = run_command(t, [remote_python(t), "-c", _FREE_PORT, host], timeout_s=30)
+        return _free_block(host, DIST_INIT_BLOCK)
+    res = run_command(t, [remote_python(t), "-c", _FREE_PORT, host, str(DIST_INIT_BLOCK)], timeout_s=30)
     text = res.stdout.strip()
     if not res.ok or not text.isdigit():
         raise RuntimeError(f"no free port found on {t} for --dist-init-addr: exit {res.exited}: "
