@@ -114,7 +114,7 @@ DIST_INIT_BLOCK = 8
 def _free_block(host: str, n: int) -> int:
     """A port P free on this machine with P+1..P+n-1 free too (bound on ``host`` when it is one of
     this machine's addresses, else on all of them). Runs here or, shipped as source, on a target."""
-    import socket as _s
+    import socket as _s  # noqa: PLC0415 (shipped alone as source to a target)
 
     for _ in range(64):
         with _s.socket() as first:
