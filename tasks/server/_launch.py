@@ -228,8 +228,9 @@ class ServerHandle:
         return _tail(self.log_path, max_bytes)
 
     def failure(self) -> tuple[NodeRank | None, str, int | None]:
-        """Where to read why the server ended: the first dead node rank >= 1 (its log; its status is
-        not known here), else node 0 (its log and exit status)."""
+        """Where to read why the server ended: the node rank >= 1 whose death took it down (the
+        watchdog's ``lost_rank``), else the first one gone (its log; its status is not known here),
+        else node 0 (its log and exit status)."""
         dead = self.lost_rank or self.dead_rank()
         if dead is not None:
             try:
@@ -666,7 +667,7 @@ def _flag(command: list[str], name: str) -> str:
 
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:
     """SIGTERM the leader, then the group, within ``grace_s``; SIGKILL survivors. Returns every pid
-    seen. Over several nodes every node's group is ended at once, node 0's in this thread."""
+    seen. Over several nodes node 0 goes first, then every other node's group at once."""
     if not handle.ranks:
         return _kill_head(handle, grace_s)
     # Node 0 first: its drain broadcasts the shutdown to every node's schedulers (SGLang's nodes >= 1
