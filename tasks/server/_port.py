@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tasks.hygiene import ProbeFailed, port_listeners
+from tasks.server._log import Failure, LaunchFailed
 from tasks.targets import Target, parse_target, remote_python, run_command
 
 __all__ = ["bind_refused", "conflicting", "describe_holders", "free_port_on", "listeners_on", "held_by"]
@@ -109,6 +110,7 @@ def _short(cmdline: str, width: int = 120) -> str:
 # six in 0.5.23: server_args.py, NUM_DERIVED_PORTS), waiting when one is taken: the port picked is
 # the first of a free block this long.
 DIST_INIT_BLOCK = 8
+FREE_PORT_TIMEOUT_S = 60.0
 
 
 def _free_block(host: str, n: int) -> int:
@@ -149,14 +151,18 @@ def free_port_on(target: str | Target, host: str) -> int:
 
     Raises:
         TargetUnreachable: the target cannot be reached.
-        RuntimeError: the probe did not answer a port.
+        LaunchFailed: the probe did not answer a port (kind "unknown": the launch stage retries it;
+            on a loaded host its Python took over 30 s to start).
     """
     t = parse_target(target)
     if t.is_local:
         return _free_block(host, DIST_INIT_BLOCK)
-    res = run_command(t, [remote_python(t), "-c", _FREE_PORT, host, str(DIST_INIT_BLOCK)], timeout_s=30)
+    argv = [remote_python(t), "-c", _FREE_PORT, host, str(DIST_INIT_BLOCK)]
+    res = run_command(t, argv, timeout_s=FREE_PORT_TIMEOUT_S)
     text = res.stdout.strip()
     if not res.ok or not text.isdigit():
-        raise RuntimeError(f"no free port found on {t} for --dist-init-addr: exit {res.exited}: "
-                           f"{(res.stderr or text).strip()[-300:]}")
+        evidence = (res.stderr or text).strip()[-300:]
+        raise LaunchFailed(Failure("unknown", f"no free port found on {t} for --dist-init-addr (exit {res.exited}); "
+                                              "set dist_init_port in the targets entry to name one", evidence),
+                           evidence, command=argv[:1])
     return int(text)

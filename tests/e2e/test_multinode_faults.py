@@ -30,7 +30,7 @@ from tests.support.hosts import (
 from tests.support.paths import REPO_ROOT
 from tests.support.prefect import PrefectServer
 from tests.support.runs import FAST_EMU, assert_exactly_once
-from tests.support.sshd import SshHost, hosts_env, restart_sshd, stop_sshd
+from tests.support.sshd import SshHost, cut_off, hosts_env, restart_sshd
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,9 @@ def test_node_1_lost_for_longer_than_the_hang_bound_relaunches_the_server_once_i
     head, node1 = recorded_servers(tmp_path)
     reap_pids.extend([head["pid"], node1["pid"]])
     victim = hosts[1]
-    stop_sshd(victim.proc)  # sessions stay: the rank's guardian with them
+    # the network goes first: every SSH session to node 1 dies with its sshd (a `ps` of the rank
+    # watch in flight included, so nothing sees the rank's death below until node 1 answers again)
+    cut_off(victim)
     os.killpg(node1["pgid"], signal.SIGKILL)
     # node 1 answers again once the hang watchdog has ended node 0 (and not before: then the rank
     # watch would see the rank gone first)
