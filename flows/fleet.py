@@ -56,7 +56,7 @@ from tasks.inference import (
 )
 from tasks.poll import Backoff, poll_until
 from tasks.run import RunContext
-from tasks.server import HangWatchdog, ServerHandle
+from tasks.server import HangWatchdog, ServerHandle, flag_value
 from tasks.server.task import adopt_server, diagnose_server, plan_key, stop
 from tasks.targets import TargetUnreachable, parse_target, run_command
 
@@ -515,10 +515,8 @@ def _record_ready(server: _Server) -> None:
 def _server_port(handle: ServerHandle) -> int | None:
     """The port the server listens on, on its target (a remote server's URL is its forward's local end):
     the ``--port N`` its command was built with (tasks.server.build_command)."""
-    for flag, value in zip(handle.command, handle.command[1:], strict=False):
-        if flag == "--port":
-            return int(value)
-    return None
+    port = flag_value(handle.command, "--port")
+    return int(port) if port is not None else None
 
 
 def _adopted(server: _Server) -> bool:
@@ -637,7 +635,7 @@ def _why_dropped(server: _Server, dog: Any) -> Drop:
         return Drop(DropKind.HOST_UNREACHABLE)
     if not server.handle.route_open():
         return Drop(DropKind.ROUTE_LOST)
-    lost = getattr(dog, "lost_rank", None)
+    lost = server.handle.lost_rank  # set by the watchdog when a rank's death took the server down
     return Drop(DropKind.DIED, diagnose_server(ctx, _unlinked(server.handle)),
                 node=f"node {lost.rank} ({lost.host})" if lost is not None else "")
 

@@ -316,7 +316,7 @@ def _entry_tp_size(s: dict[str, Any], entries: tuple[TargetServers, ...], f: str
 
 def _check_nodes_launch(launch: ServerConfig, entry: TargetServers, i: int, f: str) -> None:
     """A server over several nodes makes a launch SGLang accepts; else one line naming the key."""
-    flags = {k: v for k, v in entry.flags.items()}
+    flags = dict(entry.flags)
     gpus = entry.gpu_groups[0] if entry.gpu_groups else launch.gpus
     try:
         dataclasses.replace(launch, **flags, gpus=gpus, peer_nodes=entry.nodes[1:])

@@ -36,6 +36,7 @@ __all__ = [
     "ServerConfigError",
     "ServerError",
     "build_command",
+    "flag_value",
     "format_fraction",
     "launch_argv",
     "launch_env",
@@ -240,17 +241,22 @@ class ServerConfig:
         return replace(self, node_rank=rank)
 
 
-def _int_flag(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
-    """The integer value of the last of ``names`` in ``args`` (``--x N`` or ``--x=N``), else
-    ``default`` (also when it is not an integer: SGLang refuses that itself)."""
-    value = default
+def flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value of the last of ``names`` in a command line or ``extra_args`` (``--x V`` or
+    ``--x=V``); None when none is given."""
+    value = None
     for i, arg in enumerate(args):
         name, eq, text = arg.partition("=")
         if name in names:
-            raw = text if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if raw.strip().isdigit():
-                value = int(raw)
+            value = text if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
+
+
+def _int_flag(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
+    """The integer value of ``names`` in ``args`` (``flag_value``), else ``default`` (also when it is
+    not an integer: SGLang refuses that itself)."""
+    raw = flag_value(args, *names)
+    return int(raw) if raw is not None and raw.strip().isdigit() else default
 
 
 def format_fraction(fraction: float) -> str:

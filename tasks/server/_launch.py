@@ -42,6 +42,7 @@ from tasks.server._config import (
     ServerConfigError,
     ServerError,
     build_command,
+    flag_value,
     format_fraction,
     launch_argv,
     launch_env,
@@ -172,11 +173,6 @@ class ServerHandle:
     _leash: Leash | None = field(default=None, repr=False)  # ends the group if this process dies
     ranks: list[NodeRank] = field(default_factory=list)  # nodes 1.. of a server over several nodes
     lost_rank: NodeRank | None = None  # the node rank whose death took the server down (the watchdog's)
-
-    @property
-    def nodes(self) -> list[str]:
-        """Every node of the server, node 0 (``target``) first."""
-        return [self.target, *(r.target for r in self.ranks)]
 
     def dead_rank(self) -> NodeRank | None:
         """The first node rank >= 1 whose process has ended (None: all run, or one host)."""
@@ -631,7 +627,7 @@ def _raise_timeout(handle: ServerHandle, deadline_s: float) -> None:
     _kill_group(handle, grace_s=5.0)
     text = handle.read_log()
     nodes = (f"; over {len(handle.ranks) + 1} nodes every node must join node 0 at --dist-init-addr "
-             f"{_flag(handle.command, '--dist-init-addr')} (reachable from each node, the same command): "
+             f"{flag_value(handle.command, '--dist-init-addr') or '?'} (reachable from each node, the same command): "
              "check each node's log" if handle.ranks else "")
     failure = Failure(
         "timeout",
@@ -659,10 +655,6 @@ def _raise(handle: ServerHandle, failure: Failure, text: str, status: int | None
 # and teardown took more than 10 s (the leader then died by the group's SIGTERM, exit -15).
 LEADER_FIRST_S = 20.0
 RANK_GRACE_S = 5.0  # a node rank >= 1 after node 0 stopped: its group's SIGTERM to SIGKILL
-
-
-def _flag(command: list[str], name: str) -> str:
-    return next((v for f, v in zip(command, command[1:], strict=False) if f == name), "?")
 
 
 def _kill_group(handle: ServerHandle, grace_s: float) -> list[int]:

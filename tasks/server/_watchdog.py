@@ -7,7 +7,7 @@ server's process group. The client then raises ``ServerGone`` and the caller rel
 
 A server over several nodes is also watched rank by rank: when the process of a node rank >= 1 has
 ended, node 0 would hang in its next collective (no error, no exit), so the watchdog ends the whole
-server on every node at once (``lost_rank`` says which died) and the relaunch path takes over.
+server on every node at once (the handle's ``lost_rank`` says which died) and the relaunch path takes over.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class HangWatchdog:
         self.server, self.timeout_s, self.logger = server, timeout_s, logger
         self._stop = threading.Event()
         self.fired = False
-        self.lost_rank: Any = None  # the node rank whose death took a multi-node server down
         self._thread = threading.Thread(target=self._loop, name="datagen-hang-watchdog", daemon=True)
         if timeout_s > 0 or server.ranks:
             self._thread.start()
@@ -100,7 +99,7 @@ class HangWatchdog:
         self.logger.error("server %s: node %d (%s, pid %d) has ended: node 0 would hang in its next collective; "
                           "ending the server on every node to relaunch it", self.server.url, dead.rank,
                           dead.host, dead.pid)
-        self.lost_rank = self.server.lost_rank = dead
+        self.server.lost_rank = dead
         self._kill()
         return True
 

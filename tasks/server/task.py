@@ -32,6 +32,7 @@ from tasks.server import (
     adopt_running,
     build_command,
     classify_failure,
+    flag_value,
     launch,
     launch_tuned,
     on_node,
@@ -116,7 +117,7 @@ def _node_lines(handle: ServerHandle) -> list[str]:
     """The launch artifact's lines on the nodes of a server over several nodes (none on one host)."""
     if not handle.ranks:
         return []
-    addr = next((v for f, v in zip(handle.command, handle.command[1:], strict=False) if f == "--dist-init-addr"), "?")
+    addr = flag_value(handle.command, "--dist-init-addr") or "?"
     lines = [f"- nodes: **{len(handle.ranks) + 1}**, joined at --dist-init-addr `{addr}`",
              f"  - node 0: `{host_of(handle.target)}` pid {handle.pid} (serves HTTP), log `{handle.log_path}`"]
     lines += [f"  - node {r.rank}: `{r.host}` pid {r.pid}, log `{r.log_path}`" for r in handle.ranks]
