@@ -107,8 +107,12 @@ def start_sshd(workdir: Path, address: str = "127.0.0.1", set_env: dict[str, str
         "KbdInteractiveAuthentication=no", "UsePAM=no", "PermitRootLogin=prohibit-password",
         "Subsystem=sftp internal-sftp", "LogLevel=ERROR",
     ]
-    if set_env:
-        opts.append("SetEnv=" + " ".join(f"{k}={v}" for k, v in set_env.items()))
+    # SHLVL=1 keeps bash from sourcing ~/.bashrc in these sessions (bash sources it for sshd's
+    # commands only at shell level 1). This machine's ~/.bashrc runs `pyenv rehash`, which takes a
+    # lock file: a test that ends a remote command mid-rehash leaves the lock behind, and every later
+    # SSH command on the machine then waits 60 s on it. The product never relies on a login profile.
+    session_env = {"SHLVL": "1", **(set_env or {})}
+    opts.append("SetEnv=" + " ".join(f"{k}={v}" for k, v in session_env.items()))
     argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
     for o in opts:
         argv += ["-o", o]
