@@ -130,6 +130,14 @@ def test_metacharacters_reach_the_remote_command_literally(remote, kind, tmp_pat
         assert Path(remote.pct_log).read_text().splitlines()[-1] == "123"
 
 
+def test_test_sessions_never_source_the_users_bashrc(remote):
+    """The test sshd sets SHLVL=1 in its sessions, so the login bash (level 2) skips ~/.bashrc: a
+    profile's `pyenv rehash` killed mid-way by a test's timeout once left its lock behind, and every
+    later SSH command on the machine waited 60 s on it (docs/testing.md)."""
+    res = run_command(remote.url(), ["sh", "-c", 'echo "$SHLVL"'], 20)
+    assert (res.exited, res.stdout) == (0, "2\n"), res.stderr
+
+
 def test_remote_timeout_stops_the_remote_command(remote, tmp_path):
     marker = tmp_path / "late"
     t0 = time.monotonic()
