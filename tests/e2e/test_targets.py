@@ -130,12 +130,19 @@ def test_metacharacters_reach_the_remote_command_literally(remote, kind, tmp_pat
         assert Path(remote.pct_log).read_text().splitlines()[-1] == "123"
 
 
-def test_test_sessions_never_source_the_users_bashrc(remote):
-    """The test sshd sets SHLVL=1 in its sessions, so the login bash (level 2) skips ~/.bashrc: a
-    profile's `pyenv rehash` killed mid-way by a test's timeout once left its lock behind, and every
-    later SSH command on the machine waited 60 s on it (docs/testing.md)."""
-    res = run_command(remote.url(), ["sh", "-c", 'echo "$SHLVL"'], 20)
-    assert (res.exited, res.stdout) == (0, "2\n"), res.stderr
+@pytest.mark.parametrize("kind", ["ssh", "pct"])
+def test_test_sessions_never_source_the_users_bashrc(remote, kind):
+    """The test hosts' shells skip this machine's ~/.bashrc: a profile's `pyenv rehash` killed mid-way
+    by a test's timeout once left its lock behind, and every later SSH command on the machine waited
+    60 s on it (docs/testing.md). sshd's sessions get SHLVL=1, so bash (at level 2) skips it; the pct
+    stand-in's login shell (`bash -lc`) gets the container's own HOME, as a real container has."""
+    res = run_command(remote.url(kind, 7), ["sh", "-c", 'echo "$SHLVL $HOME"'], 20)
+    assert res.exited == 0, res.stderr
+    shlvl, home = res.stdout.split()
+    if kind == "ssh":
+        assert shlvl == "2"
+    else:
+        assert home == str(Path(remote.pct_log).parent / "pct-home")
 
 
 def test_remote_timeout_stops_the_remote_command(remote, tmp_path):

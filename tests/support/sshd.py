@@ -38,6 +38,9 @@ if [ "$1" != exec ] || [ -z "$2" ] || [ "$3" != "--" ]; then
 fi
 echo "$2" >> {log}
 shift 3
+# A container has a home of its own: the login shell (`bash -lc`) reads its profile, not this host
+# user's (whose ~/.bashrc may run `pyenv rehash`: docs/testing.md).
+export HOME={home}
 exec "$@"
 """
 
@@ -157,7 +160,9 @@ def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]
     hostbin.mkdir()
     pct_log = workdir / "pct.log"
     stub = hostbin / "pct"
-    stub.write_text(PCT_STUB.format(log=pct_log))
+    pct_home = workdir / "pct-home"
+    pct_home.mkdir()
+    stub.write_text(PCT_STUB.format(log=pct_log, home=pct_home))
     stub.chmod(stub.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     path = f"{hostbin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     server, proc = start_sshd(workdir, set_env={"PATH": path})
