@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Self, cast
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -622,12 +622,12 @@ def _end(server: _Server, name: str) -> str:
             return f"pid {handle.pid if handle else '?'} on {ctx.host}: {type(exc).__name__}: {_short(exc)}"
 
 
-def _why_dropped(server: _Server, dog: Any) -> Drop:
+def _why_dropped(server: _Server, dog: HangWatchdog | None) -> Drop:
     """Why a server was dropped: hung (the watchdog killed it), host unreachable, its port forward
     ended, or died (the log's classification; a runtime OOM is recorded so the relaunch starts
     lower); a server that is not ours is just gone."""
     ctx = server.ctx
-    if getattr(dog, "fired", False):
+    if dog is not None and dog.fired:
         return Drop(DropKind.HUNG, hang_s=ctx.cfg.hang_timeout_s)
     if server.handle is None:
         return Drop(DropKind.GONE)
